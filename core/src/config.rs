@@ -1,0 +1,189 @@
+//! Configuration of the core, validated before use.
+
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+
+/// Most secondary tiers one manager may have (a block takes at most one cascade pin per tier).
+pub const MAX_TIERS: usize = 64;
+
+/// Which eviction policy a tier uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PolicyKind {
+    /// Least recently used.
+    #[default]
+    Lru,
+    /// vLLM's simplified adaptive replacement cache (T1/T2 with ghost lists B1/B2).
+    Arc,
+}
+
+/// How complete a secondary tier's index is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierKind {
+    /// The index is complete: only this node writes the tier (a local file tier).
+    /// A key absent from the index is absent from the tier.
+    Authoritative,
+    /// Other nodes write the tier too (a remote store): a key absent from the index may still
+    /// be there, so lookups ask the tier with an existence probe and cache the answer.
+    Shared,
+}
+
+/// One secondary tier.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierConfig {
+    /// Authoritative (local) or shared (remote) index.
+    pub kind: TierKind,
+    /// Capacity in blocks; eviction makes room beyond it.
+    pub capacity_blocks: u32,
+    /// The tier's own eviction policy.
+    pub policy: PolicyKind,
+    /// Back-pressure bound: at most this many store jobs outstanding; a cascade beyond it skips
+    /// the tier for those blocks.
+    pub max_outstanding_stores: u32,
+    /// Shared tiers: how many steps an existence probe's "not found" answer is trusted.
+    pub absent_ttl_steps: u32,
+}
+
+impl TierConfig {
+    /// A tier with the given kind and capacity and the default policy and bounds.
+    pub fn new(kind: TierKind, capacity_blocks: u32) -> Self {
+        TierConfig {
+            kind,
+            capacity_blocks,
+            policy: PolicyKind::Lru,
+            max_outstanding_stores: 64,
+            absent_ttl_steps: 64,
+        }
+    }
+}
+
+/// Tier health thresholds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// Consecutive failed jobs after which a tier is Down.
+    pub failures_to_down: u32,
+    /// Steps a Down tier waits before one probe job decides whether it is Up again.
+    pub probe_interval_steps: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            failures_to_down: 3,
+            probe_interval_steps: 100,
+        }
+    }
+}
+
+/// The optional reuse filter: only store keys that `lookup` has seen often enough.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReuseFilter {
+    /// Times a key must have been looked up before it is stored (at least 2).
+    pub store_threshold: u32,
+    /// Keys the tracker remembers; the least recently seen is forgotten first.
+    pub max_tracker_size: u32,
+}
+
+/// Configuration of a [`Manager`](crate::Manager).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Slots in the primary tier.
+    pub num_blocks: u32,
+    /// The primary tier's eviction policy.
+    pub policy: PolicyKind,
+    /// Secondary tiers, asked in this order.
+    pub tiers: Vec<TierConfig>,
+    /// After a failed promotion of key K from tier T, lookups of K skip T for this many steps.
+    pub promotion_cooldown_steps: u32,
+    /// Tier health thresholds.
+    pub health: HealthConfig,
+    /// Optional reuse filter on stores.
+    pub reuse: Option<ReuseFilter>,
+}
+
+impl Config {
+    /// A primary-only configuration with `num_blocks` slots and defaults elsewhere.
+    pub fn new(num_blocks: u32) -> Self {
+        Config {
+            num_blocks,
+            policy: PolicyKind::Lru,
+            tiers: Vec::new(),
+            promotion_cooldown_steps: 16,
+            health: HealthConfig::default(),
+            reuse: None,
+        }
+    }
+
+    /// Checks every field; the error names the first invalid one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |field: &str, reason: &'static str| {
+            Err(ConfigError::Invalid {
+                field: String::from(field),
+                reason,
+            })
+        };
+        if self.num_blocks == 0 {
+            return bad("num_blocks", "must be at least 1");
+        }
+        if self.num_blocks == u32::MAX {
+            return bad("num_blocks", "must be below 4294967295");
+        }
+        if self.tiers.len() > MAX_TIERS {
+            return bad("tiers", "at most 64 secondary tiers");
+        }
+        for (i, t) in self.tiers.iter().enumerate() {
+            if t.capacity_blocks == 0 {
+                return bad(&format!("tiers[{i}].capacity_blocks"), "must be at least 1");
+            }
+            if t.capacity_blocks == u32::MAX {
+                return bad(
+                    &format!("tiers[{i}].capacity_blocks"),
+                    "must be below 4294967295",
+                );
+            }
+            if t.max_outstanding_stores == 0 {
+                return bad(
+                    &format!("tiers[{i}].max_outstanding_stores"),
+                    "must be at least 1",
+                );
+            }
+            if t.kind == TierKind::Shared && t.absent_ttl_steps == 0 {
+                return bad(
+                    &format!("tiers[{i}].absent_ttl_steps"),
+                    "must be at least 1",
+                );
+            }
+        }
+        if self.promotion_cooldown_steps == 0 {
+            return bad("promotion_cooldown_steps", "must be at least 1");
+        }
+        if self.health.failures_to_down == 0 {
+            return bad("health.failures_to_down", "must be at least 1");
+        }
+        if self.health.probe_interval_steps == 0 {
+            return bad("health.probe_interval_steps", "must be at least 1");
+        }
+        if let Some(r) = self.reuse {
+            if r.store_threshold < 2 {
+                return bad("reuse.store_threshold", "must be at least 2");
+            }
+            if r.max_tracker_size == 0 {
+                return bad("reuse.max_tracker_size", "must be at least 1");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A configuration value is out of range.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The named field is invalid.
+    #[error("invalid config field `{field}`: {reason}")]
+    Invalid {
+        /// The field's path, for example `tiers[1].capacity_blocks`.
+        field: String,
+        /// Why it is invalid.
+        reason: &'static str,
+    },
+}

@@ -1,0 +1,891 @@
+//! The tiering manager: the primary, the secondary tier indexes, jobs, promotion, cascade,
+//! health and back-pressure (rules M1–M11, J1–J5, H1–H6).
+
+use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::vec::Vec;
+
+use crate::config::{Config, ConfigError};
+use crate::error::{Error, Violation, ensure};
+use crate::event::{
+    Effect, Event, EventKind, Job, JobKind, JobResult, Lookup, Medium, Outcome, Transfer,
+};
+use crate::key::{JobId, Key, RequestId, SlotId, TierId};
+use crate::primary::{BlockState, PreparedStore, Primary, SlotState};
+use crate::stats::{Health, Stats, TierStats};
+use crate::tier::{TierAnswer, TierIndex};
+
+/// One secondary tier: its index, health and counters.
+#[derive(Clone, Debug)]
+struct Tier {
+    index: TierIndex,
+    health: HealthState,
+    failures: u32,
+    stores_outstanding: u32,
+    max_outstanding_stores: u32,
+    stats: TierStats,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HealthState {
+    Up,
+    Down { since: u64 },
+    Probing { job: JobId },
+    Closed,
+}
+
+/// A submitted job, waiting for its result.
+#[derive(Clone, Debug)]
+struct Outstanding {
+    job: Job,
+    reported: bool,
+}
+
+/// What one request did in the current step: its Hit answers (protected from its own
+/// promotions, rule ★8) and its promotions waiting for `end_step`.
+#[derive(Clone, Debug, Default)]
+struct RequestStep {
+    hits: Vec<Transfer>,
+    batches: Vec<(TierId, Vec<Transfer>)>,
+}
+
+/// Per-request state of the current step, in one place.
+#[derive(Clone, Debug, Default)]
+struct Requests {
+    by_id: BTreeMap<RequestId, RequestStep>,
+    order: Vec<RequestId>,
+}
+
+impl Requests {
+    fn get_mut(&mut self, req: RequestId) -> &mut RequestStep {
+        self.by_id.entry(req).or_insert_with(|| {
+            self.order.push(req);
+            RequestStep::default()
+        })
+    }
+}
+
+/// Failed promotions: `(tier, key)` skipped by lookups until a step (rule ★2).
+#[derive(Clone, Debug, Default)]
+struct Cooldowns {
+    until: BTreeMap<(TierId, Key), u64>,
+    expiry: VecDeque<(u64, TierId, Key)>,
+}
+
+impl Cooldowns {
+    fn active(&self, tier: TierId, key: &Key, step: u64) -> bool {
+        // Avoid building a (tier, key) pair on the hot path when nothing is cooling down.
+        !self.until.is_empty()
+            && self
+                .until
+                .get(&(tier, key.clone()))
+                .is_some_and(|&u| u > step)
+    }
+
+    fn start(&mut self, tier: TierId, key: Key, until: u64) {
+        self.until.insert((tier, key.clone()), until);
+        self.expiry.push_back((until, tier, key));
+    }
+
+    fn expire(&mut self, step: u64) {
+        while self.expiry.front().is_some_and(|e| e.0 <= step) {
+            let (until, tier, key) = self.expiry.pop_front().expect("front exists");
+            let pair = (tier, key);
+            if self.until.get(&pair) == Some(&until) {
+                self.until.remove(&pair);
+            }
+        }
+    }
+}
+
+/// The multi-tier KV offloading manager: a pure state machine.
+///
+/// Inputs are calls (`lookup`, `prepare_store`, `complete_store`, `prepare_load`,
+/// `complete_load`, `touch`, `end_step`, `handle_job_result`, `shutdown`); outputs are answers,
+/// [`Effect`]s drained with [`poll_effect`](Self::poll_effect) and [`Event`]s drained with
+/// [`take_events`](Self::take_events). It reads no clock and does no IO.
+#[derive(Clone, Debug)]
+pub struct Manager {
+    config: Config,
+    primary: Primary,
+    tiers: Vec<Tier>,
+    jobs: BTreeMap<JobId, Outstanding>,
+    next_job: u64,
+    inbox: VecDeque<JobResult>,
+    effects: VecDeque<Effect>,
+    events: Vec<Event>,
+    step: u64,
+    collected: bool,
+    requests: Requests,
+    cooldowns: Cooldowns,
+    stats: Stats,
+    closed: bool,
+}
+
+impl Manager {
+    /// A manager for a validated `config`.
+    pub fn new(config: Config) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let tiers = config
+            .tiers
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Tier {
+                index: TierIndex::new(TierId(i as u16), t),
+                health: HealthState::Up,
+                failures: 0,
+                stores_outstanding: 0,
+                max_outstanding_stores: t.max_outstanding_stores,
+                stats: TierStats::default(),
+            })
+            .collect();
+        Ok(Manager {
+            primary: Primary::new(config.num_blocks, config.policy, config.reuse),
+            tiers,
+            jobs: BTreeMap::new(),
+            next_job: 1,
+            inbox: VecDeque::new(),
+            effects: VecDeque::new(),
+            events: Vec::new(),
+            step: 0,
+            collected: false,
+            requests: Requests::default(),
+            cooldowns: Cooldowns::default(),
+            stats: Stats {
+                step: 0,
+                lookups: 0,
+                hits: 0,
+                misses: 0,
+                retries: 0,
+                promotions_started: 0,
+                promotions_succeeded: 0,
+                promotions_failed: 0,
+                promotions_refused: 0,
+                evictions: 0,
+                load_pins: 0,
+                job_pins: 0,
+                jobs_outstanding: 0,
+                tiers: Vec::new(),
+            },
+            closed: false,
+            config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The primary tier, read-only.
+    pub fn primary(&self) -> &Primary {
+        &self.primary
+    }
+
+    /// The index of a secondary tier, read-only.
+    pub fn tier(&self, tier: TierId) -> Option<&TierIndex> {
+        self.tiers.get(tier.index()).map(|t| &t.index)
+    }
+
+    /// The health of a secondary tier.
+    pub fn health(&self, tier: TierId) -> Option<Health> {
+        self.tiers.get(tier.index()).map(|t| t.public_health())
+    }
+
+    /// The current step (the number of `end_step` calls so far).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Jobs submitted and not yet ended.
+    pub fn outstanding_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.jobs.values().map(|o| &o.job)
+    }
+
+    /// Whether `shutdown` was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.step = self.step;
+        s.jobs_outstanding = self.jobs.len() as u64;
+        s.tiers = self
+            .tiers
+            .iter()
+            .map(|t| {
+                let mut ts = t.stats.clone();
+                ts.blocks = t.index.len() as u64;
+                (t.public_health(), ts)
+            })
+            .collect();
+        s
+    }
+
+    // ----- inputs from the engine -------------------------------------------------------
+
+    /// M2–M4: look up one block for `req`.
+    pub fn lookup(&mut self, req: RequestId, key: &Key) -> Lookup {
+        self.collect_once();
+        self.stats.lookups += 1;
+        let answer = match self.primary.lookup(key) {
+            Lookup::Hit => {
+                self.stats.hits += 1;
+                let (slot, _) = self.primary.state_of(key).expect("P3: hit is present");
+                self.requests.get_mut(req).hits.push(Transfer {
+                    key: key.clone(),
+                    slot,
+                });
+                Lookup::Hit
+            }
+            Lookup::Miss => self.lookup_tiers(req, key),
+            _ => Lookup::Retry,
+        };
+        match answer {
+            Lookup::Miss => self.stats.misses += 1,
+            Lookup::Retry => self.stats.retries += 1,
+            _ => {}
+        }
+        tracing::debug!(step = self.step, %req, %key, ?answer, "lookup");
+        self.debug_check();
+        answer
+    }
+
+    fn lookup_tiers(&mut self, req: RequestId, key: &Key) -> Lookup {
+        let mut busy = false;
+        for t in 0..self.tiers.len() {
+            let id = TierId(t as u16);
+            let tier = &self.tiers[t];
+            if tier.health != HealthState::Up || self.cooldowns.active(id, key, self.step) {
+                continue;
+            }
+            match tier.index.lookup(key, self.step) {
+                TierAnswer::Present => return self.start_promotion(req, id, key),
+                TierAnswer::Busy => busy = true,
+                TierAnswer::Absent => {}
+                TierAnswer::Unknown => {
+                    let job = self.submit(id, JobKind::Exists { key: key.clone() });
+                    let tier = &mut self.tiers[t];
+                    tier.index.start_probe(key.clone(), job);
+                    tier.stats.probes += 1;
+                    busy = true;
+                }
+            }
+        }
+        if busy { Lookup::Retry } else { Lookup::Miss }
+    }
+
+    /// M4: prepare a Promoting slot for `key` from `tier`, never evicting `req`'s own hits.
+    fn start_promotion(&mut self, req: RequestId, tier: TierId, key: &Key) -> Lookup {
+        let step = self.requests.get_mut(req);
+        // ★8: protect the blocks this request was answered Hit for in this step, as long as
+        // their slot still holds them.
+        let mut protected: Vec<u32> = step
+            .hits
+            .iter()
+            .filter(|h| self.primary.key_at(h.slot) == Some(&h.key))
+            .map(|h| h.slot.0)
+            .collect();
+        protected.sort_unstable();
+        let admitted =
+            self.primary
+                .admit(core::slice::from_ref(key), &protected, SlotState::Promoting);
+        self.primary.drain_events(&mut self.events);
+        let Ok((slots, evicted)) = admitted else {
+            self.stats.promotions_refused += 1;
+            tracing::debug!(%req, %key, %tier, "promotion refused: no room");
+            return Lookup::Miss;
+        };
+        self.stats.evictions += evicted.len() as u64;
+        self.stats.promotions_started += 1;
+        let t = &mut self.tiers[tier.index()];
+        t.stats.hits += 1;
+        t.index.start_read(key);
+        let transfer = Transfer {
+            key: key.clone(),
+            slot: slots[0],
+        };
+        let batches = &mut self.requests.get_mut(req).batches;
+        match batches.iter_mut().find(|(t, _)| *t == tier) {
+            Some((_, blocks)) => blocks.push(transfer),
+            None => batches.push((tier, alloc::vec![transfer])),
+        }
+        tracing::debug!(%req, %key, %tier, slot = slots[0].0, "promotion started");
+        Lookup::Retry
+    }
+
+    /// P4–P7, P17 through the manager (collects job results once per step first).
+    pub fn prepare_store(&mut self, keys: &[Key]) -> Result<PreparedStore, Error> {
+        self.collect_once();
+        let out = self.primary.prepare_store(keys);
+        self.primary.drain_events(&mut self.events);
+        if let Ok(p) = &out {
+            self.stats.evictions += p.evicted.len() as u64;
+        }
+        self.debug_check();
+        out
+    }
+
+    /// M6–M7: the engine's store of `keys` ended; if ok, cascade them to every tier.
+    pub fn complete_store(&mut self, req: RequestId, keys: &[Key], ok: bool) {
+        let mut ready = Vec::new();
+        self.primary.complete_store_into(keys, ok, &mut ready);
+        self.primary.drain_events(&mut self.events);
+        if !ready.is_empty() && !self.closed {
+            for t in 0..self.tiers.len() {
+                self.cascade(req, TierId(t as u16), &ready);
+            }
+        }
+        self.debug_check();
+    }
+
+    /// M6 for one tier.
+    fn cascade(&mut self, req: RequestId, id: TierId, ready: &[Transfer]) {
+        let tier = &mut self.tiers[id.index()];
+        let n = ready.len() as u64;
+        if tier.health != HealthState::Up {
+            tier.stats.skipped_down += n;
+            tracing::debug!(%id, blocks = n, "cascade skipped: tier not up");
+            return;
+        }
+        if tier.stores_outstanding >= tier.max_outstanding_stores {
+            tier.stats.skipped_backpressure += n; // ★4
+            tracing::debug!(%id, blocks = n, "cascade skipped: back-pressure");
+            return;
+        }
+        let plan = tier.index.plan_store(ready, &mut self.events);
+        tier.stats.skipped_held += plan.held as u64;
+        tier.stats.skipped_full += plan.full as u64;
+        tier.stats.evictions += plan.evicted.len() as u64;
+        if !plan.evicted.is_empty() {
+            self.effects.push_back(Effect::Delete {
+                tier: id,
+                keys: plan.evicted,
+            });
+        }
+        if plan.writes.is_empty() {
+            return;
+        }
+        tier.stores_outstanding += 1;
+        tier.stats.cascades_submitted += 1;
+        tier.stats.blocks_cascaded += plan.writes.len() as u64;
+        for w in &plan.writes {
+            self.primary.pin_job(w.slot);
+        }
+        self.stats.job_pins += plan.writes.len() as u64;
+        self.submit(
+            id,
+            JobKind::Store {
+                request: req,
+                blocks: plan.writes,
+            },
+        );
+    }
+
+    /// P11–P12 (collects job results once per step first).
+    pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
+        self.collect_once();
+        let out = self.primary.prepare_load(keys);
+        if out.is_ok() {
+            self.stats.load_pins += keys.len() as u64;
+        }
+        self.debug_check();
+        out
+    }
+
+    /// P13–P14.
+    pub fn complete_load(&mut self, keys: &[Key]) -> Result<(), Error> {
+        let out = self.primary.complete_load(keys);
+        if out.is_ok() {
+            self.stats.load_pins -= keys.len() as u64;
+        }
+        self.debug_check();
+        out
+    }
+
+    /// M8: recency update in the primary and every tier.
+    pub fn touch(&mut self, keys: &[Key]) {
+        self.primary.touch(keys);
+        for t in &mut self.tiers {
+            t.index.touch(keys);
+        }
+        self.debug_check();
+    }
+
+    /// M5: end the step: collect results if not done, submit batched promotions and due
+    /// health probes, expire cooldowns, clear per-request state.
+    pub fn end_step(&mut self) {
+        self.collect_once();
+        let mut requests = core::mem::take(&mut self.requests);
+        for req in requests.order.drain(..) {
+            let step = requests.by_id.remove(&req).expect("ordered request exists");
+            for (tier, blocks) in step.batches {
+                self.submit(
+                    tier,
+                    JobKind::Load {
+                        request: req,
+                        blocks,
+                    },
+                );
+            }
+        }
+        let interval = u64::from(self.config.health.probe_interval_steps);
+        for t in 0..self.tiers.len() {
+            if let HealthState::Down { since } = self.tiers[t].health {
+                if self.step >= since + interval {
+                    let job = self.submit(TierId(t as u16), JobKind::Health);
+                    self.tiers[t].health = HealthState::Probing { job };
+                    tracing::debug!(tier = t, %job, "health probe");
+                }
+            }
+        }
+        self.step += 1;
+        self.cooldowns.expire(self.step);
+        for t in &mut self.tiers {
+            t.index.expire(self.step);
+        }
+        self.collected = false;
+        tracing::debug!(step = self.step, "end_step");
+        self.debug_check();
+    }
+
+    /// The events since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        core::mem::take(&mut self.events)
+    }
+
+    /// Durability (★6): records blocks found in a tier at start as Present, up to its
+    /// capacity. Returns the keys that did not fit; the IO layer should delete them.
+    pub fn restore_tier(
+        &mut self,
+        tier: TierId,
+        keys: impl IntoIterator<Item = Key>,
+    ) -> Result<Vec<Key>, Error> {
+        let t = self
+            .tiers
+            .get_mut(tier.index())
+            .ok_or(Error::UnknownTier { tier })?;
+        let rejected = t.index.restore(keys);
+        tracing::debug!(%tier, blocks = t.index.len(), rejected = rejected.len(), "tier restored");
+        self.debug_check();
+        Ok(rejected)
+    }
+
+    // ----- the IO layer's side ----------------------------------------------------------
+
+    /// The next effect for the IO layer, in order.
+    pub fn poll_effect(&mut self) -> Option<Effect> {
+        self.effects.pop_front()
+    }
+
+    /// A job ended. The result is checked now and applied at the next collection (M1).
+    pub fn handle_job_result(&mut self, result: JobResult) -> Result<(), Error> {
+        let job = result.job;
+        let o = self.jobs.get(&job).ok_or(Error::UnknownJob { job })?;
+        if o.reported {
+            return Err(Error::DuplicateResult { job });
+        }
+        match (&result.outcome, &o.job.kind) {
+            (
+                Outcome::Partial { succeeded },
+                JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. },
+            ) => {
+                if let Some(key) = succeeded
+                    .iter()
+                    .find(|k| !blocks.iter().any(|b| &b.key == *k))
+                {
+                    return Err(Error::ForeignKey {
+                        job,
+                        key: key.clone(),
+                    });
+                }
+            }
+            (Outcome::Partial { .. }, _) => {
+                return Err(Error::InvalidOutcome {
+                    job,
+                    reason: "partial success applies to store and load jobs only",
+                });
+            }
+            (Outcome::NotFound, JobKind::Exists { .. }) | (Outcome::Ok | Outcome::Failed, _) => {}
+            (Outcome::NotFound, _) => {
+                return Err(Error::InvalidOutcome {
+                    job,
+                    reason: "not found applies to existence probes only",
+                });
+            }
+        }
+        self.jobs.get_mut(&job).expect("checked above").reported = true;
+        tracing::debug!(%job, outcome = ?result.outcome, "job result received");
+        self.inbox.push_back(result);
+        Ok(())
+    }
+
+    /// M10: end every job. Results already received are applied; every other outstanding
+    /// job ends as failed; unsubmitted promotions are dropped; every tier is Closed. The IO
+    /// layer must have stopped touching primary memory before calling this.
+    pub fn shutdown(&mut self) {
+        if self.closed {
+            return;
+        }
+        while let Some(r) = self.inbox.pop_front() {
+            self.apply(r, false);
+        }
+        let ids: Vec<JobId> = self.jobs.keys().copied().collect();
+        for job in ids {
+            self.apply(
+                JobResult {
+                    job,
+                    outcome: Outcome::Failed,
+                },
+                true,
+            );
+        }
+        let requests = core::mem::take(&mut self.requests);
+        for step in requests.by_id.into_values() {
+            for (tier, blocks) in step.batches {
+                self.primary
+                    .finish_promotions(blocks.iter().map(|b| (b.slot, false)));
+                for b in &blocks {
+                    self.tiers[tier.index()].index.end_read(&b.key, false, true);
+                }
+            }
+        }
+        self.primary.drain_events(&mut self.events);
+        for t in &mut self.tiers {
+            t.health = HealthState::Closed;
+        }
+        self.closed = true;
+        tracing::debug!("shutdown");
+        self.debug_check();
+    }
+
+    // ----- internals --------------------------------------------------------------------
+
+    fn submit(&mut self, tier: TierId, kind: JobKind) -> JobId {
+        let id = JobId(self.next_job);
+        self.next_job += 1;
+        let job = Job { id, tier, kind };
+        tracing::debug!(%id, %tier, blocks = job.blocks().len(), "job submitted");
+        self.effects.push_back(Effect::Submit(job.clone()));
+        self.jobs.insert(
+            id,
+            Outstanding {
+                job,
+                reported: false,
+            },
+        );
+        id
+    }
+
+    /// M1: apply every received result, at most once per step.
+    fn collect_once(&mut self) {
+        if self.collected {
+            return;
+        }
+        self.collected = true;
+        while let Some(r) = self.inbox.pop_front() {
+            self.apply(r, false);
+        }
+    }
+
+    /// J1–J5. `cancelled` (shutdown) skips health accounting, cooldowns and deletions.
+    fn apply(&mut self, result: JobResult, cancelled: bool) {
+        let Outstanding { job, .. } = self.jobs.remove(&result.job).expect("validated job");
+        let mut succeeded: Vec<&Key> = match &result.outcome {
+            Outcome::Partial { succeeded } => succeeded.iter().collect(),
+            _ => Vec::new(),
+        };
+        succeeded.sort_unstable();
+        let ok_of = |key: &Key| match &result.outcome {
+            Outcome::Ok => true,
+            Outcome::Partial { .. } => succeeded.binary_search(&key).is_ok(),
+            Outcome::Failed | Outcome::NotFound => false,
+        };
+        let tid = job.tier;
+        let mut failed = false;
+        match &job.kind {
+            JobKind::Store { blocks, .. } => {
+                // J1: unpin whether it succeeded or not.
+                let tier = &mut self.tiers[tid.index()];
+                tier.stores_outstanding -= 1;
+                let mut stored = Vec::new();
+                for b in blocks {
+                    self.primary.unpin_job(b.slot);
+                    let ok = ok_of(&b.key);
+                    tier.index.finish_write(&b.key, ok);
+                    if ok {
+                        stored.push(b.key.clone());
+                    } else {
+                        tier.stats.write_failures += 1;
+                        failed = true;
+                    }
+                }
+                self.stats.job_pins -= blocks.len() as u64;
+                if !stored.is_empty() {
+                    self.events.push(Event {
+                        medium: Medium::Tier(tid),
+                        kind: EventKind::Stored,
+                        keys: stored,
+                    });
+                }
+            }
+            JobKind::Load { blocks, .. } => {
+                // J2, J3.
+                self.primary
+                    .finish_promotions(blocks.iter().map(|b| (b.slot, ok_of(&b.key))));
+                self.primary.drain_events(&mut self.events);
+                let mut deletes = Vec::new();
+                for b in blocks {
+                    let ok = ok_of(&b.key);
+                    let tier = &mut self.tiers[tid.index()];
+                    if let Some(k) = tier.index.end_read(&b.key, ok, cancelled) {
+                        deletes.push(k);
+                    }
+                    if ok {
+                        self.stats.promotions_succeeded += 1;
+                    } else {
+                        self.stats.promotions_failed += 1;
+                        tier.stats.read_failures += 1;
+                        failed = true;
+                        if !cancelled {
+                            let until = self.step + u64::from(self.config.promotion_cooldown_steps);
+                            self.cooldowns.start(tid, b.key.clone(), until); // ★2
+                        }
+                    }
+                }
+                if !deletes.is_empty() {
+                    self.effects.push_back(Effect::Delete {
+                        tier: tid,
+                        keys: deletes,
+                    });
+                }
+            }
+            JobKind::Exists { key } => {
+                // J4.
+                let found = match result.outcome {
+                    Outcome::Ok => Some(true),
+                    Outcome::NotFound => Some(false),
+                    _ => None,
+                };
+                failed = found.is_none();
+                let tier = &mut self.tiers[tid.index()];
+                let evicted = tier
+                    .index
+                    .finish_probe(key, found, self.step, &mut self.events);
+                if !evicted.is_empty() {
+                    tier.stats.evictions += evicted.len() as u64;
+                    self.effects.push_back(Effect::Delete {
+                        tier: tid,
+                        keys: evicted,
+                    });
+                }
+            }
+            JobKind::Health => {
+                // J5: H4 / H5.
+                let tier = &mut self.tiers[tid.index()];
+                if !cancelled {
+                    if result.outcome == Outcome::Ok {
+                        tier.health = HealthState::Up;
+                        tier.failures = 0;
+                        tier.stats.came_up += 1;
+                        tracing::debug!(tier = tid.0, "tier up");
+                    } else {
+                        tier.health = HealthState::Down { since: self.step };
+                        tracing::debug!(tier = tid.0, "tier still down");
+                    }
+                }
+                return;
+            }
+        }
+        let tier = &mut self.tiers[tid.index()];
+        if failed {
+            tier.stats.jobs_failed += 1;
+        }
+        tracing::debug!(job = result.job.0, tier = tid.0, failed, "job applied");
+        if cancelled || tier.health != HealthState::Up {
+            return;
+        }
+        // H1, H2.
+        if failed {
+            tier.failures += 1;
+            if tier.failures >= self.config.health.failures_to_down {
+                tier.health = HealthState::Down { since: self.step };
+                tier.stats.went_down += 1;
+                tracing::debug!(tier = tid.0, failures = tier.failures, "tier down");
+            }
+        } else {
+            tier.failures = 0;
+        }
+    }
+
+    #[inline]
+    fn debug_check(&self) {
+        #[cfg(debug_assertions)]
+        if let Err(v) = self.check_invariants() {
+            panic!("{v}");
+        }
+    }
+
+    /// Checks every invariant of `docs/state-machine.md` (I1–I10); returns the first violated.
+    pub fn check_invariants(&self) -> Result<(), Violation> {
+        self.primary.check_invariants()?;
+        // Pins and Promoting slots claimed by jobs and batches.
+        let mut job_pins: BTreeMap<u32, u16> = BTreeMap::new();
+        let mut promoting: BTreeMap<u32, &Key> = BTreeMap::new();
+        let mut writes: Vec<BTreeSet<&Key>> = alloc::vec![BTreeSet::new(); self.tiers.len()];
+        let mut reads: Vec<BTreeMap<&Key, u32>> = alloc::vec![BTreeMap::new(); self.tiers.len()];
+        let mut stores: Vec<u32> = alloc::vec![0; self.tiers.len()];
+        let mut probes: Vec<BTreeMap<&Key, JobId>> = alloc::vec![BTreeMap::new(); self.tiers.len()];
+        let mut health_jobs: BTreeMap<usize, JobId> = BTreeMap::new();
+        let batched = self.requests.by_id.values().flat_map(|r| {
+            r.batches
+                .iter()
+                .flat_map(|(t, b)| b.iter().map(move |b| (*t, b)))
+        });
+        let loads = self.jobs.values().filter_map(|o| match &o.job.kind {
+            JobKind::Load { blocks, .. } => Some(blocks.iter().map(move |b| (o.job.tier, b))),
+            _ => None,
+        });
+        for (tier, b) in batched.chain(loads.flatten()) {
+            // I5, I6: each Promoting slot belongs to exactly one promotion, with its key.
+            ensure!(
+                promoting.insert(b.slot.0, &b.key).is_none(),
+                "I5",
+                "{} claimed by two promotions",
+                b.slot
+            );
+            ensure!(
+                self.primary.key_at(b.slot) == Some(&b.key),
+                "I6",
+                "{} read into by a promotion of {} holds another block",
+                b.slot,
+                b.key
+            );
+            *reads[tier.index()].entry(&b.key).or_default() += 1;
+        }
+        for o in self.jobs.values() {
+            let t = o.job.tier.index();
+            match &o.job.kind {
+                JobKind::Store { blocks, .. } => {
+                    stores[t] += 1;
+                    for b in blocks {
+                        ensure!(
+                            self.primary.key_at(b.slot) == Some(&b.key),
+                            "I6",
+                            "{} written from by {} holds another block",
+                            b.slot,
+                            o.job.id
+                        );
+                        *job_pins.entry(b.slot.0).or_default() += 1;
+                        ensure!(
+                            writes[t].insert(&b.key),
+                            "I8",
+                            "{} written by two store jobs of tier {t}",
+                            b.key
+                        );
+                    }
+                }
+                JobKind::Exists { key } => {
+                    probes[t].insert(key, o.job.id);
+                }
+                JobKind::Health => {
+                    health_jobs.insert(t, o.job.id);
+                }
+                JobKind::Load { .. } => {}
+            }
+        }
+        let mut promoting_blocks = 0;
+        for (slot, key, state) in self.primary.blocks() {
+            match state {
+                BlockState::Ready { job_pins: p, .. } => {
+                    let expected = job_pins.get(&slot.0).copied().unwrap_or(0);
+                    ensure!(
+                        p == expected,
+                        "I4",
+                        "{key} has {p} cascade pins, {expected} store jobs use {slot}"
+                    );
+                }
+                BlockState::Promoting => {
+                    promoting_blocks += 1;
+                    ensure!(
+                        promoting.get(&slot.0) == Some(&key),
+                        "I5",
+                        "promoting {key} at {slot} has no promotion"
+                    );
+                }
+                BlockState::Pending => {
+                    ensure!(
+                        !job_pins.contains_key(&slot.0),
+                        "I4",
+                        "pending {key} at {slot} is used by a store job"
+                    );
+                }
+            }
+        }
+        ensure!(
+            promoting_blocks == promoting.len(),
+            "I5",
+            "{promoting_blocks} promoting blocks, {} promotions",
+            promoting.len()
+        );
+        let total_pins: u64 = job_pins.values().map(|&p| u64::from(p)).sum();
+        ensure!(
+            total_pins == self.stats.job_pins,
+            "I4",
+            "{total_pins} cascade pins held, {} counted",
+            self.stats.job_pins
+        );
+        for (t, tier) in self.tiers.iter().enumerate() {
+            tier.index.check_invariants()?;
+            let (w, r) = tier.index.writing_and_readers();
+            ensure!(
+                w == writes[t],
+                "I8",
+                "tier {t}: writing entries differ from store jobs"
+            );
+            ensure!(
+                r == reads[t],
+                "I8",
+                "tier {t}: readers differ from promotions"
+            );
+            ensure!(
+                tier.stores_outstanding == stores[t] && stores[t] <= tier.max_outstanding_stores,
+                "I9",
+                "tier {t}: {} store jobs counted, {} outstanding, bound {}",
+                tier.stores_outstanding,
+                stores[t],
+                tier.max_outstanding_stores
+            );
+            let indexed: BTreeMap<&Key, JobId> = tier.index.probes().collect();
+            ensure!(
+                indexed == probes[t],
+                "I10",
+                "tier {t}: probes differ from exists jobs"
+            );
+            let probing = match tier.health {
+                HealthState::Probing { job } => Some(job),
+                _ => None,
+            };
+            ensure!(
+                probing == health_jobs.get(&t).copied(),
+                "I10",
+                "tier {t}: health {:?} but health job {:?}",
+                tier.health,
+                health_jobs.get(&t)
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Tier {
+    fn public_health(&self) -> Health {
+        match self.health {
+            HealthState::Up => Health::Up,
+            HealthState::Down { since } => Health::Down { since },
+            HealthState::Probing { .. } => Health::Probing,
+            HealthState::Closed => Health::Closed,
+        }
+    }
+}

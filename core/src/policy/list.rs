@@ -1,0 +1,154 @@
+//! Intrusive doubly linked lists over dense entry ids.
+//!
+//! One `Lists<N>` holds up to `N` lists; each id is in at most one of them. Every operation is
+//! O(1); ids grow the link table on demand.
+
+use alloc::vec::Vec;
+
+pub(crate) const NIL: u32 = u32::MAX;
+const NONE: u8 = u8::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    prev: u32,
+    next: u32,
+    list: u8,
+}
+
+const UNLINKED: Link = Link {
+    prev: NIL,
+    next: NIL,
+    list: NONE,
+};
+
+#[derive(Clone, Debug)]
+pub(crate) struct Lists<const N: usize> {
+    links: Vec<Link>,
+    head: [u32; N],
+    tail: [u32; N],
+    len: [usize; N],
+}
+
+impl<const N: usize> Default for Lists<N> {
+    fn default() -> Self {
+        Self::with_capacity(0)
+    }
+}
+
+impl<const N: usize> Lists<N> {
+    pub(crate) fn with_capacity(n: usize) -> Self {
+        Lists {
+            links: Vec::with_capacity(n),
+            head: [NIL; N],
+            tail: [NIL; N],
+            len: [0; N],
+        }
+    }
+
+    pub(crate) fn len(&self, list: usize) -> usize {
+        self.len[list]
+    }
+
+    /// The list that holds `id`, if any.
+    pub(crate) fn list_of(&self, id: u32) -> Option<usize> {
+        match self.links.get(id as usize) {
+            Some(l) if l.list != NONE => Some(usize::from(l.list)),
+            _ => None,
+        }
+    }
+
+    /// The oldest (least recent) id of `list`.
+    pub(crate) fn front(&self, list: usize) -> Option<u32> {
+        (self.head[list] != NIL).then_some(self.head[list])
+    }
+
+    /// The id after `id` in its list, towards the most recent end.
+    pub(crate) fn next(&self, id: u32) -> Option<u32> {
+        let n = self.links[id as usize].next;
+        (n != NIL).then_some(n)
+    }
+
+    /// Appends `id` (which must be unlinked) at the most recent end of `list`.
+    pub(crate) fn push_back(&mut self, list: usize, id: u32) {
+        let i = id as usize;
+        if i >= self.links.len() {
+            self.links.resize(i + 1, UNLINKED);
+        }
+        debug_assert_eq!(self.links[i].list, NONE, "id {id} linked twice");
+        let tail = self.tail[list];
+        self.links[i] = Link {
+            prev: tail,
+            next: NIL,
+            list: list as u8,
+        };
+        if tail == NIL {
+            self.head[list] = id;
+        } else {
+            self.links[tail as usize].next = id;
+        }
+        self.tail[list] = id;
+        self.len[list] += 1;
+    }
+
+    /// Unlinks `id` from whatever list holds it; returns that list.
+    pub(crate) fn remove(&mut self, id: u32) -> Option<usize> {
+        let list = self.list_of(id)?;
+        let Link { prev, next, .. } = self.links[id as usize];
+        if prev == NIL {
+            self.head[list] = next;
+        } else {
+            self.links[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail[list] = prev;
+        } else {
+            self.links[next as usize].prev = prev;
+        }
+        self.links[id as usize] = UNLINKED;
+        self.len[list] -= 1;
+        Some(list)
+    }
+
+    /// Moves `id` to the most recent end of `list`.
+    pub(crate) fn move_to_back(&mut self, list: usize, id: u32) {
+        if self.list_of(id) == Some(list) && self.tail[list] == id {
+            return;
+        }
+        self.remove(id);
+        self.push_back(list, id);
+    }
+
+    /// Ids of `list`, oldest first.
+    pub(crate) fn iter(&self, list: usize) -> impl Iterator<Item = u32> + '_ {
+        core::iter::successors(self.front(list), move |&id| self.next(id))
+    }
+
+    /// Checks the links are consistent: lengths, back links, membership.
+    pub(crate) fn check(&self) -> Result<(), alloc::string::String> {
+        let mut seen = 0;
+        for list in 0..N {
+            let mut prev = NIL;
+            let mut count = 0;
+            for id in self.iter(list) {
+                let l = self.links[id as usize];
+                if l.prev != prev || usize::from(l.list) != list {
+                    return Err(alloc::format!("list {list}: broken link at id {id}"));
+                }
+                prev = id;
+                count += 1;
+                if count > self.links.len() {
+                    return Err(alloc::format!("list {list}: cycle"));
+                }
+            }
+            if prev != self.tail[list] || count != self.len[list] {
+                return Err(alloc::format!("list {list}: tail or length wrong"));
+            }
+            seen += count;
+        }
+        let linked = self.links.iter().filter(|l| l.list != NONE).count();
+        if linked != seen {
+            return Err(alloc::format!("{linked} ids linked but {seen} reachable"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,558 @@
+//! The primary tier: CPU slots, block states, eviction and events (rules P1–P17).
+//!
+//! This is vLLM's CPU offloading manager, exactly: the same answers, slot ids, victims and
+//! events. The [`Manager`](crate::Manager) adds promotion (the Promoting state) and cascade pins.
+
+use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::vec::Vec;
+
+use crate::config::{PolicyKind, ReuseFilter};
+use crate::error::{Error, Violation, ensure};
+use crate::event::{Event, EventKind, Lookup, Medium, Transfer};
+use crate::key::{Key, SlotId};
+use crate::policy::{EvictionPolicy, Policy};
+
+/// The state of a block in the primary tier, as seen from outside.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// A store by the engine is in flight.
+    Pending,
+    /// A load from a secondary tier into the slot is batched or in flight.
+    Promoting,
+    /// Readable.
+    Ready {
+        /// Pins taken by `prepare_load`.
+        load_pins: u32,
+        /// Pins taken by outstanding cascade store jobs (one per tier and job).
+        job_pins: u16,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SlotState {
+    Free,
+    Pending,
+    Promoting,
+    Ready,
+}
+
+#[derive(Clone, Debug)]
+struct Slot {
+    key: Option<Key>,
+    state: SlotState,
+    job_pins: u16,
+    load_pins: u32,
+}
+
+const FREE_SLOT: Slot = Slot {
+    key: None,
+    state: SlotState::Free,
+    job_pins: 0,
+    load_pins: 0,
+};
+
+/// What `prepare_store` decided.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PreparedStore {
+    /// The keys to store (absent before the call), in input order; now Pending.
+    pub keys: Vec<Key>,
+    /// Their slot ids, in the same order.
+    pub slots: Vec<SlotId>,
+    /// The keys evicted to make room.
+    pub evicted: Vec<Key>,
+}
+
+/// The primary tier.
+#[derive(Clone, Debug)]
+pub struct Primary {
+    slots: Vec<Slot>,
+    map: BTreeMap<Key, u32>,
+    next_fresh: u32,
+    free: Vec<u32>,
+    policy: Policy,
+    events: Vec<Event>,
+    reuse: Option<ReuseTracker>,
+}
+
+impl Primary {
+    /// A primary tier of `num_blocks` slots (at least 1, below `u32::MAX`).
+    pub fn new(num_blocks: u32, policy: PolicyKind, reuse: Option<ReuseFilter>) -> Self {
+        let n = num_blocks as usize;
+        Primary {
+            slots: alloc::vec![FREE_SLOT; n],
+            map: BTreeMap::new(),
+            next_fresh: 0,
+            free: Vec::new(),
+            policy: Policy::new(policy, n),
+            events: Vec::new(),
+            reuse: reuse.map(ReuseTracker::new),
+        }
+    }
+
+    /// Number of slots.
+    pub fn num_blocks(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
+    /// Number of occupied slots.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no slot is occupied.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Number of free slots (never used, or freed).
+    pub fn free_slots(&self) -> usize {
+        (self.num_blocks() - self.next_fresh) as usize + self.free.len()
+    }
+
+    /// The eviction policy (for ARC's `p`, for example).
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The state and slot of `key`, if present.
+    pub fn state_of(&self, key: &Key) -> Option<(SlotId, BlockState)> {
+        let &s = self.map.get(key)?;
+        let slot = &self.slots[s as usize];
+        let state = match slot.state {
+            SlotState::Pending => BlockState::Pending,
+            SlotState::Promoting => BlockState::Promoting,
+            SlotState::Ready => BlockState::Ready {
+                load_pins: slot.load_pins,
+                job_pins: slot.job_pins,
+            },
+            SlotState::Free => unreachable!("I2: a mapped slot is occupied"),
+        };
+        Some((SlotId(s), state))
+    }
+
+    /// The key held by `slot`, if occupied.
+    pub fn key_at(&self, slot: SlotId) -> Option<&Key> {
+        self.slots.get(slot.index())?.key.as_ref()
+    }
+
+    /// P1–P3: Miss, Retry or Hit. Counts the key for the reuse filter.
+    pub fn lookup(&mut self, key: &Key) -> Lookup {
+        if let Some(r) = &mut self.reuse {
+            r.record(key);
+        }
+        self.peek(key)
+    }
+
+    /// The answer `lookup` would give, without counting the key.
+    pub(crate) fn peek(&self, key: &Key) -> Lookup {
+        match self.map.get(key) {
+            None => Lookup::Miss,
+            Some(&s) => match self.slots[s as usize].state {
+                SlotState::Ready => Lookup::Hit,
+                _ => Lookup::Retry,
+            },
+        }
+    }
+
+    /// P4–P7, P17: allocate Pending slots for the absent keys, evicting exactly the shortfall.
+    pub fn prepare_store(&mut self, keys: &[Key]) -> Result<PreparedStore, Error> {
+        let mut to_store = Vec::new();
+        let mut protected = Vec::new();
+        let mut seen = DedupSet::default();
+        for key in keys {
+            if let Some(&s) = self.map.get(key) {
+                protected.push(s);
+            } else if self.reuse.as_ref().is_some_and(|r| !r.reused(key)) {
+                // P17: not seen often enough.
+            } else if seen.insert(key, &to_store) {
+                to_store.push(key.clone());
+            }
+        }
+        if to_store.is_empty() {
+            return Ok(PreparedStore::default()); // P4
+        }
+        protected.sort_unstable();
+        let (slots, evicted) = self.admit(&to_store, &protected, SlotState::Pending)?;
+        tracing::debug!(
+            stored = to_store.len(),
+            evicted = evicted.len(),
+            "primary prepare_store"
+        );
+        Ok(PreparedStore {
+            keys: to_store,
+            slots,
+            evicted,
+        })
+    }
+
+    /// Makes room for `keys` (all absent, distinct) without evicting a slot in `protected`
+    /// (sorted), then inserts them in `state`. All or nothing.
+    pub(crate) fn admit(
+        &mut self,
+        keys: &[Key],
+        protected: &[u32],
+        state: SlotState,
+    ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
+        let needed = keys.len().saturating_sub(self.free_slots());
+        let mut victims = Vec::new();
+        if needed > 0 {
+            let slots = &self.slots;
+            self.policy.select(
+                needed,
+                &mut |id| {
+                    let s = &slots[id as usize];
+                    s.state == SlotState::Ready
+                        && s.load_pins == 0
+                        && s.job_pins == 0
+                        && protected.binary_search(&id).is_err()
+                },
+                &mut victims,
+            );
+            if victims.len() < needed {
+                return Err(Error::NoRoom {
+                    needed,
+                    available: victims.len(),
+                }); // P7
+            }
+        }
+        // P6: free the victims in order, one Removed event.
+        let mut evicted = Vec::with_capacity(victims.len());
+        for &v in &victims {
+            let key = self.release(v);
+            self.policy.evict(v, key.clone());
+            evicted.push(key);
+        }
+        if !evicted.is_empty() {
+            tracing::debug!(count = evicted.len(), "primary evict");
+            self.events.push(Event {
+                medium: Medium::Primary,
+                kind: EventKind::Removed,
+                keys: evicted.clone(),
+            });
+        }
+        let mut slots = Vec::with_capacity(keys.len());
+        for key in keys {
+            let s = self.allocate();
+            let slot = &mut self.slots[s as usize];
+            slot.key = Some(key.clone());
+            slot.state = state;
+            self.map.insert(key.clone(), s);
+            self.policy.insert(s, key);
+            slots.push(SlotId(s));
+        }
+        Ok((slots, evicted))
+    }
+
+    /// Slot allocation: fresh slots ascending first, then last-freed-first.
+    fn allocate(&mut self) -> u32 {
+        if self.next_fresh < self.num_blocks() {
+            self.next_fresh += 1;
+            self.next_fresh - 1
+        } else {
+            self.free.pop().expect("admit made room")
+        }
+    }
+
+    /// Empties slot `s` and puts it on the free stack; returns its key. The caller updates the
+    /// policy.
+    fn release(&mut self, s: u32) -> Key {
+        let slot = core::mem::replace(&mut self.slots[s as usize], FREE_SLOT);
+        let key = slot.key.expect("released slot is occupied");
+        self.map.remove(&key);
+        self.free.push(s);
+        key
+    }
+
+    /// P8–P10. Pending blocks become Ready (ok) or are removed (not ok); others are ignored.
+    pub fn complete_store(&mut self, keys: &[Key], ok: bool) {
+        let mut stored = Vec::new();
+        self.complete_store_into(keys, ok, &mut stored);
+    }
+
+    /// `complete_store`, also listing the blocks that became Ready.
+    pub(crate) fn complete_store_into(&mut self, keys: &[Key], ok: bool, out: &mut Vec<Transfer>) {
+        let mut stored = Vec::new();
+        for key in keys {
+            let Some(&s) = self.map.get(key) else {
+                continue;
+            };
+            if self.slots[s as usize].state != SlotState::Pending {
+                continue; // P10
+            }
+            if ok {
+                self.slots[s as usize].state = SlotState::Ready; // P8
+                stored.push(key.clone());
+                out.push(Transfer {
+                    key: key.clone(),
+                    slot: SlotId(s),
+                });
+            } else {
+                self.release(s); // P9
+                self.policy.remove(s);
+            }
+        }
+        tracing::debug!(ok, stored = stored.len(), "primary complete_store");
+        if !stored.is_empty() {
+            self.events.push(Event {
+                medium: Medium::Primary,
+                kind: EventKind::Stored,
+                keys: stored,
+            });
+        }
+    }
+
+    /// P11–P12: pin every key once per occurrence; all must be Ready.
+    pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
+        let mut slots = Vec::with_capacity(keys.len());
+        for key in keys {
+            match self.map.get(key) {
+                Some(&s) if self.slots[s as usize].state == SlotState::Ready => {
+                    slots.push(SlotId(s))
+                }
+                _ => return Err(Error::NotReady { key: key.clone() }),
+            }
+        }
+        for s in &slots {
+            self.slots[s.index()].load_pins += 1;
+        }
+        tracing::debug!(count = slots.len(), "primary prepare_load");
+        Ok(slots)
+    }
+
+    /// P13–P14: unpin every key once per occurrence; all or nothing.
+    pub fn complete_load(&mut self, keys: &[Key]) -> Result<(), Error> {
+        for (i, key) in keys.iter().enumerate() {
+            let slot = self.map.get(key).map(|&s| s as usize);
+            match slot {
+                Some(s) if self.slots[s].load_pins > 0 => self.slots[s].load_pins -= 1,
+                _ => {
+                    // Undo the unpins done so far: the state stays unchanged.
+                    for done in &keys[..i] {
+                        self.slots[self.map[done] as usize].load_pins += 1;
+                    }
+                    return Err(Error::NotPinned { key: key.clone() });
+                }
+            }
+        }
+        tracing::debug!(count = keys.len(), "primary complete_load");
+        Ok(())
+    }
+
+    /// P15: recency update, walking the keys last to first.
+    pub fn touch(&mut self, keys: &[Key]) {
+        for key in keys.iter().rev() {
+            let resident = self
+                .map
+                .get(key)
+                .map(|&s| (s, self.slots[s as usize].state == SlotState::Ready));
+            self.policy.touch(key, resident);
+        }
+    }
+
+    /// P16: the events since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        core::mem::take(&mut self.events)
+    }
+
+    /// Moves the pending events to the end of `out`.
+    pub(crate) fn drain_events(&mut self, out: &mut Vec<Event>) {
+        out.append(&mut self.events);
+    }
+
+    /// Takes one cascade pin on a Ready block.
+    pub(crate) fn pin_job(&mut self, slot: SlotId) {
+        let s = &mut self.slots[slot.index()];
+        debug_assert_eq!(s.state, SlotState::Ready, "I3");
+        s.job_pins += 1;
+    }
+
+    /// Releases one cascade pin.
+    pub(crate) fn unpin_job(&mut self, slot: SlotId) {
+        let s = &mut self.slots[slot.index()];
+        debug_assert!(s.job_pins > 0, "I4: a store job holds a pin");
+        s.job_pins -= 1;
+    }
+
+    /// Ends promotions: ok blocks become Ready (one Stored event), the others are removed.
+    pub(crate) fn finish_promotions(&mut self, blocks: impl Iterator<Item = (SlotId, bool)>) {
+        let mut stored = Vec::new();
+        for (slot, ok) in blocks {
+            let s = slot.index();
+            debug_assert_eq!(self.slots[s].state, SlotState::Promoting, "I5");
+            if ok {
+                self.slots[s].state = SlotState::Ready;
+                stored.push(
+                    self.slots[s]
+                        .key
+                        .clone()
+                        .expect("I5: promoting slot is occupied"),
+                );
+            } else {
+                self.release(slot.0);
+                self.policy.remove(slot.0);
+            }
+        }
+        if !stored.is_empty() {
+            self.events.push(Event {
+                medium: Medium::Primary,
+                kind: EventKind::Stored,
+                keys: stored,
+            });
+        }
+    }
+
+    /// Iterates occupied slots: (slot, key, state).
+    pub(crate) fn blocks(&self) -> impl Iterator<Item = (SlotId, &Key, BlockState)> + '_ {
+        self.map.iter().map(|(k, &s)| {
+            let (_, state) = self.state_of(k).expect("mapped");
+            (SlotId(s), k, state)
+        })
+    }
+
+    /// I1, I2, I3, I7 for the primary tier.
+    pub fn check_invariants(&self) -> Result<(), Violation> {
+        let n = self.slots.len();
+        // I1: slot conservation.
+        let fresh = n - self.next_fresh as usize;
+        ensure!(
+            fresh + self.free.len() + self.map.len() == n,
+            "I1",
+            "fresh {fresh} + free {} + occupied {} != {n}",
+            self.free.len(),
+            self.map.len()
+        );
+        let mut on_stack = BTreeSet::new();
+        for &s in &self.free {
+            ensure!(on_stack.insert(s), "I1", "slot {s} on the free stack twice");
+            ensure!(
+                s < self.next_fresh,
+                "I1",
+                "fresh slot {s} on the free stack"
+            );
+            ensure!(
+                self.slots[s as usize].state == SlotState::Free,
+                "I1",
+                "slot {s} is both free and occupied"
+            );
+        }
+        for (i, slot) in self.slots.iter().enumerate() {
+            if i >= self.next_fresh as usize {
+                ensure!(
+                    slot.state == SlotState::Free,
+                    "I1",
+                    "fresh slot {i} is occupied"
+                );
+            }
+            // I2: one key per slot, and the map agrees.
+            match (&slot.key, slot.state) {
+                (None, SlotState::Free) => {}
+                (Some(k), st) if st != SlotState::Free => {
+                    ensure!(
+                        self.map.get(k) == Some(&(i as u32)),
+                        "I2",
+                        "slot {i} holds {k} but the map disagrees"
+                    );
+                }
+                _ => {
+                    return Err(Violation::new(
+                        "I2",
+                        alloc::format!("slot {i} half occupied"),
+                    ));
+                }
+            }
+            // I3: pins only on Ready blocks.
+            if slot.state != SlotState::Ready {
+                ensure!(
+                    slot.load_pins == 0 && slot.job_pins == 0,
+                    "I3",
+                    "slot {i} is pinned but not Ready"
+                );
+            }
+            // I7: the policy tracks exactly the occupied slots.
+            ensure!(
+                self.policy.contains(i as u32) == (slot.state != SlotState::Free),
+                "I7",
+                "policy and slot {i} disagree on residency"
+            );
+        }
+        ensure!(
+            self.policy.len() == self.map.len(),
+            "I7",
+            "policy tracks {} blocks, {} occupied",
+            self.policy.len(),
+            self.map.len()
+        );
+        self.policy.check().map_err(|d| Violation::new("I7", d))?;
+        if let Policy::Arc(arc) = &self.policy {
+            for k in self.map.keys() {
+                ensure!(!arc.is_ghost(k), "I7", "resident {k} is also a ghost");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// De-duplicates a short key list by scanning, a long one with a set.
+#[derive(Default)]
+struct DedupSet {
+    set: Option<BTreeSet<Key>>,
+}
+
+impl DedupSet {
+    const SCAN_LIMIT: usize = 16;
+
+    /// Whether `key` is new; `so_far` holds the keys accepted until now.
+    fn insert(&mut self, key: &Key, so_far: &[Key]) -> bool {
+        if so_far.len() < Self::SCAN_LIMIT {
+            return !so_far.contains(key);
+        }
+        let set = self
+            .set
+            .get_or_insert_with(|| so_far.iter().cloned().collect());
+        set.insert(key.clone())
+    }
+}
+
+/// The reuse filter's bounded counter: least recently seen keys are forgotten first.
+#[derive(Clone, Debug)]
+struct ReuseTracker {
+    filter: ReuseFilter,
+    counts: BTreeMap<Key, (u32, u64)>,
+    by_age: BTreeMap<u64, Key>,
+    clock: u64,
+}
+
+impl ReuseTracker {
+    fn new(filter: ReuseFilter) -> Self {
+        ReuseTracker {
+            filter,
+            counts: BTreeMap::new(),
+            by_age: BTreeMap::new(),
+            clock: 0,
+        }
+    }
+
+    fn record(&mut self, key: &Key) {
+        self.clock += 1;
+        let clock = self.clock;
+        if let Some((count, age)) = self.counts.get_mut(key) {
+            self.by_age.remove(age);
+            *count = count.saturating_add(1);
+            *age = clock;
+        } else {
+            self.counts.insert(key.clone(), (1, clock));
+            if self.counts.len() > self.filter.max_tracker_size as usize {
+                if let Some((_, oldest)) = self.by_age.pop_first() {
+                    self.counts.remove(&oldest);
+                }
+            }
+        }
+        self.by_age.insert(clock, key.clone());
+    }
+
+    fn reused(&self, key: &Key) -> bool {
+        self.counts
+            .get(key)
+            .is_some_and(|&(c, _)| c >= self.filter.store_threshold)
+    }
+}

@@ -1,0 +1,444 @@
+//! The index of one secondary tier (rules T1–T13).
+//!
+//! The core keeps every tier's index so the whole protocol is checked: which keys a tier holds,
+//! which are being written or read, its capacity and its eviction. The IO layer only carries
+//! out the effects.
+
+use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::format;
+use alloc::vec::Vec;
+
+use crate::config::{TierConfig, TierKind};
+use crate::error::{Violation, ensure};
+use crate::event::{Event, EventKind, Medium, Transfer};
+use crate::key::{JobId, Key, TierId};
+use crate::policy::{EvictionPolicy, Policy};
+
+/// A tier's answer to a lookup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierAnswer {
+    /// The tier holds the block and it can be read (T1).
+    Present,
+    /// A write or an existence probe of the block is in flight (T2).
+    Busy,
+    /// The tier does not hold the block (T3, or a cached probe answer).
+    Absent,
+    /// A shared tier does not know: an existence probe must ask (T4).
+    Unknown,
+}
+
+/// The state of one key in a tier index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryState {
+    /// A store job writes the block.
+    Writing,
+    /// The block is stored; `readers` load jobs are reading it.
+    Present {
+        /// Load jobs (or batched promotions) reading the block.
+        readers: u32,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    key: Key,
+    state: EntryState,
+}
+
+/// How `plan_store` treated the blocks it was offered.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StorePlan {
+    /// Blocks to write, in offered order; now Writing.
+    pub(crate) writes: Vec<Transfer>,
+    /// Blocks evicted for room; the IO layer deletes them.
+    pub(crate) evicted: Vec<Key>,
+    /// Blocks skipped because the tier already holds or writes them.
+    pub(crate) held: usize,
+    /// Blocks skipped because no room could be made.
+    pub(crate) full: usize,
+}
+
+/// The index of one secondary tier.
+#[derive(Clone, Debug)]
+pub struct TierIndex {
+    id: TierId,
+    kind: TierKind,
+    capacity: u32,
+    entries: Vec<Option<Entry>>,
+    free_ids: Vec<u32>,
+    map: BTreeMap<Key, u32>,
+    policy: Policy,
+    probing: BTreeMap<Key, JobId>,
+    absent_ttl: u64,
+    known_absent: BTreeMap<Key, u64>,
+    absent_expiry: VecDeque<(u64, Key)>,
+}
+
+impl TierIndex {
+    /// An empty index for tier `id`.
+    pub fn new(id: TierId, config: &TierConfig) -> Self {
+        TierIndex {
+            id,
+            kind: config.kind,
+            capacity: config.capacity_blocks,
+            entries: Vec::new(),
+            free_ids: Vec::new(),
+            map: BTreeMap::new(),
+            policy: Policy::new(config.policy, config.capacity_blocks as usize),
+            probing: BTreeMap::new(),
+            absent_ttl: u64::from(config.absent_ttl_steps),
+            known_absent: BTreeMap::new(),
+            absent_expiry: VecDeque::new(),
+        }
+    }
+
+    /// Blocks held or being written.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether the index holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Capacity in blocks.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// The tier's eviction policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The state of `key`, if the index has it.
+    pub fn state_of(&self, key: &Key) -> Option<EntryState> {
+        self.map.get(key).map(|&id| self.entry(id).state)
+    }
+
+    /// Whether an existence probe of `key` is in flight.
+    pub fn is_probing(&self, key: &Key) -> bool {
+        self.probing.contains_key(key)
+    }
+
+    fn entry(&self, id: u32) -> &Entry {
+        self.entries[id as usize]
+            .as_ref()
+            .expect("mapped entry exists")
+    }
+
+    fn entry_mut(&mut self, id: u32) -> &mut Entry {
+        self.entries[id as usize]
+            .as_mut()
+            .expect("mapped entry exists")
+    }
+
+    /// T1–T4.
+    pub fn lookup(&self, key: &Key, step: u64) -> TierAnswer {
+        if let Some(&id) = self.map.get(key) {
+            return match self.entry(id).state {
+                EntryState::Present { .. } => TierAnswer::Present,
+                EntryState::Writing => TierAnswer::Busy,
+            };
+        }
+        if self.probing.contains_key(key) {
+            return TierAnswer::Busy;
+        }
+        match self.kind {
+            TierKind::Authoritative => TierAnswer::Absent,
+            TierKind::Shared => match self.known_absent.get(key) {
+                Some(&until) if until > step => TierAnswer::Absent,
+                _ => TierAnswer::Unknown,
+            },
+        }
+    }
+
+    /// Inserts `key` in `state`; the caller made room.
+    fn insert(&mut self, key: Key, state: EntryState) {
+        let id = match self.free_ids.pop() {
+            Some(id) => id,
+            None => {
+                self.entries.push(None);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.policy.insert(id, &key);
+        self.map.insert(key.clone(), id);
+        self.known_absent.remove(&key);
+        self.entries[id as usize] = Some(Entry { key, state });
+    }
+
+    /// Removes `key`'s entry; `evicted` keeps an ARC ghost.
+    fn remove(&mut self, id: u32, evicted: bool) -> Key {
+        let entry = self.entries[id as usize]
+            .take()
+            .expect("mapped entry exists");
+        self.map.remove(&entry.key);
+        if evicted {
+            self.policy.evict(id, entry.key.clone());
+        } else {
+            self.policy.remove(id);
+        }
+        self.free_ids.push(id);
+        entry.key
+    }
+
+    /// T13: evicts up to `n` idle Present blocks not in `protected` (sorted ids); returns their
+    /// keys and pushes one Removed event.
+    fn evict(&mut self, n: usize, protected: &[u32], events: &mut Vec<Event>) -> Vec<Key> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut victims = Vec::new();
+        let entries = &self.entries;
+        self.policy.select(
+            n,
+            &mut |id| {
+                matches!(
+                    entries[id as usize],
+                    Some(Entry {
+                        state: EntryState::Present { readers: 0 },
+                        ..
+                    })
+                ) && protected.binary_search(&id).is_err()
+            },
+            &mut victims,
+        );
+        let keys: Vec<Key> = victims.iter().map(|&v| self.remove(v, true)).collect();
+        if !keys.is_empty() {
+            tracing::debug!(tier = self.id.0, count = keys.len(), "tier evict");
+            events.push(Event {
+                medium: Medium::Tier(self.id),
+                kind: EventKind::Removed,
+                keys: keys.clone(),
+            });
+        }
+        keys
+    }
+
+    fn room(&self) -> usize {
+        self.capacity as usize - self.map.len()
+    }
+
+    /// T7: plan a store job for `blocks`: skip held keys, evict idle blocks for room, mark the
+    /// rest Writing. Blocks beyond the room that can be made are skipped.
+    pub(crate) fn plan_store(&mut self, blocks: &[Transfer], events: &mut Vec<Event>) -> StorePlan {
+        let mut plan = StorePlan::default();
+        let mut protected = Vec::new();
+        let mut to_write = Vec::new();
+        for b in blocks {
+            match self.map.get(&b.key) {
+                Some(&id) => {
+                    protected.push(id);
+                    plan.held += 1;
+                }
+                None => to_write.push(b),
+            }
+        }
+        protected.sort_unstable();
+        let needed = to_write.len().saturating_sub(self.room());
+        plan.evicted = self.evict(needed, &protected, events);
+        let writable = to_write.len().min(self.room());
+        plan.full = to_write.len() - writable;
+        for b in to_write.into_iter().take(writable) {
+            self.insert(b.key.clone(), EntryState::Writing);
+            plan.writes.push(b.clone());
+        }
+        tracing::debug!(
+            tier = self.id.0,
+            writes = plan.writes.len(),
+            held = plan.held,
+            full = plan.full,
+            "tier plan_store"
+        );
+        plan
+    }
+
+    /// T8–T9: a write ended.
+    pub(crate) fn finish_write(&mut self, key: &Key, ok: bool) {
+        let id = self.map[key];
+        debug_assert_eq!(self.entry(id).state, EntryState::Writing, "I8");
+        if ok {
+            self.entry_mut(id).state = EntryState::Present { readers: 0 };
+        } else {
+            self.remove(id, false);
+        }
+    }
+
+    /// T10: a promotion starts reading `key`.
+    pub(crate) fn start_read(&mut self, key: &Key) {
+        let id = self.map[key];
+        match &mut self.entry_mut(id).state {
+            EntryState::Present { readers } => *readers += 1,
+            EntryState::Writing => unreachable!("T10: only Present blocks are read"),
+        }
+    }
+
+    /// T11: a read ended. A failed read drops the block; returns the key to delete when the
+    /// tier is authoritative. A cancelled read (shutdown) only releases the reader.
+    pub(crate) fn end_read(&mut self, key: &Key, ok: bool, cancelled: bool) -> Option<Key> {
+        let id = self.map[key];
+        let EntryState::Present { readers } = &mut self.entry_mut(id).state else {
+            unreachable!("I8: a read block is Present");
+        };
+        *readers -= 1;
+        if ok || cancelled || *readers > 0 {
+            return None;
+        }
+        let key = self.remove(id, false);
+        tracing::debug!(tier = self.id.0, %key, "tier drops unreadable block");
+        (self.kind == TierKind::Authoritative).then_some(key)
+    }
+
+    /// T4: an existence probe of `key` was submitted.
+    pub(crate) fn start_probe(&mut self, key: Key, job: JobId) {
+        self.probing.insert(key, job);
+    }
+
+    /// T5–T6: a probe ended: `Some(found)`, or `None` if it failed. Returns keys evicted to
+    /// make room for a found block.
+    pub(crate) fn finish_probe(
+        &mut self,
+        key: &Key,
+        found: Option<bool>,
+        step: u64,
+        events: &mut Vec<Event>,
+    ) -> Vec<Key> {
+        self.probing.remove(key);
+        if self.map.contains_key(key) {
+            return Vec::new(); // written meanwhile by this node
+        }
+        match found {
+            Some(true) => {
+                let evicted = self.evict(1usize.saturating_sub(self.room()), &[], events);
+                if self.room() > 0 {
+                    self.insert(key.clone(), EntryState::Present { readers: 0 });
+                }
+                evicted
+            }
+            Some(false) => {
+                let until = step + self.absent_ttl;
+                self.known_absent.insert(key.clone(), until);
+                self.absent_expiry.push_back((until, key.clone()));
+                while self.known_absent.len() > self.capacity as usize {
+                    let (_, old) = self.absent_expiry.pop_front().expect("bounded by entries");
+                    self.known_absent.remove(&old);
+                }
+                Vec::new()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Forgets cached "absent" answers that expire by `step`.
+    pub(crate) fn expire(&mut self, step: u64) {
+        while let Some((until, _)) = self.absent_expiry.front() {
+            if *until > step {
+                break;
+            }
+            let (until, key) = self.absent_expiry.pop_front().expect("front exists");
+            if self.known_absent.get(&key) == Some(&until) {
+                self.known_absent.remove(&key);
+            }
+        }
+    }
+
+    /// T12: recency update, last key to first.
+    pub fn touch(&mut self, keys: &[Key]) {
+        for key in keys.iter().rev() {
+            let resident = self.map.get(key).map(|&id| {
+                (
+                    id,
+                    matches!(self.entry(id).state, EntryState::Present { .. }),
+                )
+            });
+            self.policy.touch(key, resident);
+        }
+    }
+
+    /// Durability: records blocks found in the tier at start as Present, up to the capacity.
+    /// Returns the keys that did not fit (the IO layer deletes them).
+    pub(crate) fn restore(&mut self, keys: impl IntoIterator<Item = Key>) -> Vec<Key> {
+        let mut rejected = Vec::new();
+        for key in keys {
+            if self.map.contains_key(&key) {
+                continue;
+            }
+            if self.room() == 0 {
+                rejected.push(key);
+                continue;
+            }
+            self.insert(key, EntryState::Present { readers: 0 });
+        }
+        rejected
+    }
+
+    /// Keys being written, and the readers of each Present key (for I8).
+    pub(crate) fn writing_and_readers(&self) -> (BTreeSet<&Key>, BTreeMap<&Key, u32>) {
+        let mut writing = BTreeSet::new();
+        let mut readers = BTreeMap::new();
+        for e in self.entries.iter().flatten() {
+            match e.state {
+                EntryState::Writing => {
+                    writing.insert(&e.key);
+                }
+                EntryState::Present { readers: r } if r > 0 => {
+                    readers.insert(&e.key, r);
+                }
+                EntryState::Present { .. } => {}
+            }
+        }
+        (writing, readers)
+    }
+
+    /// Probes in flight (for I10).
+    pub(crate) fn probes(&self) -> impl Iterator<Item = (&Key, JobId)> + '_ {
+        self.probing.iter().map(|(k, &j)| (k, j))
+    }
+
+    /// I7 and I8 for this index alone.
+    pub fn check_invariants(&self) -> Result<(), Violation> {
+        let t = self.id;
+        ensure!(
+            self.map.len() <= self.capacity as usize,
+            "I8",
+            "{t} holds {} blocks, capacity {}",
+            self.map.len(),
+            self.capacity
+        );
+        let live = self.entries.iter().flatten().count();
+        ensure!(
+            live == self.map.len() && live + self.free_ids.len() == self.entries.len(),
+            "I8",
+            "{t}: {live} entries, {} mapped, {} free ids",
+            self.map.len(),
+            self.free_ids.len()
+        );
+        for (key, &id) in &self.map {
+            let e = self.entries.get(id as usize).and_then(Option::as_ref);
+            ensure!(
+                e.is_some_and(|e| &e.key == key),
+                "I8",
+                "{t}: map and entries disagree on {key}"
+            );
+            ensure!(self.policy.contains(id), "I7", "{t}: policy misses {key}");
+        }
+        ensure!(
+            self.policy.len() == self.map.len(),
+            "I7",
+            "{t}: policy tracks {}, index {}",
+            self.policy.len(),
+            self.map.len()
+        );
+        self.policy
+            .check()
+            .map_err(|d| Violation::new("I7", format!("{t}: {d}")))?;
+        if let Policy::Arc(arc) = &self.policy {
+            for k in self.map.keys() {
+                ensure!(!arc.is_ghost(k), "I7", "{t}: resident {k} is also a ghost");
+            }
+        }
+        Ok(())
+    }
+}
