@@ -1,2 +1,280 @@
-//! Placeholder replaced below.
-fn main() {}
+//! `core_ops`: nanoseconds per block for the core's hot operations, on a primary of 100,000
+//! slots with 2 secondary tiers, and the core's metadata bytes per slot.
+//!
+//! Run: `cargo bench -p kvtier-core --bench core_ops`. The memory figures are printed first.
+#![allow(missing_docs, clippy::print_stderr)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use kvtier_core::{
+    Config, Effect, JobResult, Key, Lookup, Manager, Outcome, PolicyKind, RequestId, TierConfig,
+    TierKind,
+};
+
+/// Counts live heap bytes, to measure the core's metadata.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: forwards to the system allocator and only counts sizes.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: same layout contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: `ptr` was allocated by `alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const SLOTS: u32 = 100_000;
+/// vLLM's key: a 32-byte block hash and a 4-byte KV-group index.
+const KEY_BYTES: usize = 36;
+const BATCH: u64 = 32;
+const REQ: RequestId = RequestId(1);
+
+fn key(i: u64) -> Key {
+    let mut b = [0u8; KEY_BYTES];
+    b[..8].copy_from_slice(&i.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes());
+    b[8..16].copy_from_slice(&i.to_be_bytes());
+    Key::from(b)
+}
+
+fn batch(start: u64) -> Vec<Key> {
+    (start..start + BATCH).map(key).collect()
+}
+
+fn config(policy: PolicyKind, tiers: bool) -> Config {
+    let mut c = Config::new(SLOTS);
+    c.policy = policy;
+    // Nothing consumes events here: do not let them accumulate.
+    c.events = false;
+    if tiers {
+        let mut t0 = TierConfig::new(TierKind::Authoritative, 4 * SLOTS);
+        t0.max_outstanding_stores = 1 << 20;
+        let mut t1 = TierConfig::new(TierKind::Authoritative, 8 * SLOTS);
+        t1.max_outstanding_stores = 1 << 20;
+        c.tiers = vec![t0, t1];
+    }
+    c
+}
+
+/// Completes every submitted job with `Ok` (the IO layer's part, done instantly).
+fn complete_jobs(m: &mut Manager) {
+    while let Some(e) = m.poll_effect() {
+        if let Effect::Submit(job) = e {
+            m.handle_job_result(JobResult {
+                job: job.id,
+                outcome: Outcome::Ok,
+            })
+            .expect("outstanding job");
+        }
+    }
+}
+
+/// A manager whose primary holds keys `0..SLOTS`, Ready and unpinned (and so do the tiers).
+fn filled(policy: PolicyKind, tiers: bool) -> Manager {
+    let mut m = Manager::new(config(policy, tiers)).expect("valid config");
+    for start in (0..u64::from(SLOTS)).step_by(BATCH as usize) {
+        let ks = batch(start);
+        m.prepare_store(&ks).expect("room");
+        m.complete_store(REQ, &ks, true);
+        complete_jobs(&mut m);
+        m.end_step();
+    }
+    m.end_step();
+    m
+}
+
+fn memory_report() {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+        let before = LIVE.load(Ordering::Relaxed);
+        let mut m = filled(policy, false);
+        let after = LIVE.load(Ordering::Relaxed);
+        let keys = SLOTS as isize * KEY_BYTES as isize;
+        let per_slot = (after - before - keys) as f64 / f64::from(SLOTS);
+        eprintln!(
+            "memory {policy:?}: {per_slot:.1} bytes of metadata per occupied slot beyond {KEY_BYTES} key bytes"
+        );
+        if policy == PolicyKind::Arc {
+            // Churn until both ghost lists could be full: ghosts cost metadata too.
+            let mut next = u64::from(SLOTS);
+            for _ in 0..(2 * SLOTS as u64 / BATCH) {
+                let ks = batch(next);
+                next += BATCH;
+                m.prepare_store(&ks).expect("room");
+                m.complete_store(REQ, &ks, true);
+                if next % 3 == 0 {
+                    m.touch(&ks[..1]);
+                }
+            }
+            let full = LIVE.load(Ordering::Relaxed);
+            let per_slot = (full - before - keys) as f64 / f64::from(SLOTS);
+            eprintln!(
+                "memory Arc with ghost lists full: {per_slot:.1} bytes per slot beyond the resident key bytes (ghost keys included)"
+            );
+        }
+        drop(m);
+    }
+    let before = LIVE.load(Ordering::Relaxed);
+    let m = filled(PolicyKind::Lru, true);
+    let after = LIVE.load(Ordering::Relaxed);
+    let primary_only = filled(PolicyKind::Lru, false);
+    let primary = LIVE.load(Ordering::Relaxed) - after;
+    drop(primary_only);
+    let tiers = (after - before - primary) as f64 / f64::from(2 * SLOTS);
+    eprintln!(
+        "memory tier index (LRU): {tiers:.1} bytes per tier block (keys shared with the primary)"
+    );
+    drop(m);
+}
+
+fn benches(c: &mut Criterion) {
+    memory_report();
+    let mut g = c.benchmark_group("core_ops");
+    g.sample_size(20);
+    g.measurement_time(std::time::Duration::from_secs(3));
+    g.warm_up_time(std::time::Duration::from_secs(1));
+    g.throughput(Throughput::Elements(BATCH));
+
+    // Lookup hit: 32 lookups of Ready blocks by one request, then the step ends.
+    let mut m = filled(PolicyKind::Lru, true);
+    let mut i = 0u64;
+    g.bench_function("lookup_hit", |b| {
+        b.iter_batched_ref(
+            || {
+                i = (i + 7919 * BATCH) % u64::from(SLOTS);
+                batch(i.min(u64::from(SLOTS) - BATCH))
+            },
+            |ks: &mut Vec<Key>| {
+                for k in ks.iter() {
+                    assert_eq!(m.lookup(REQ, k), Lookup::Hit);
+                }
+                m.end_step();
+            },
+            BatchSize::SmallInput,
+        )
+    });
+
+    // Lookup miss: absent from the primary and both tiers.
+    let mut next = 1u64 << 40;
+    g.bench_function("lookup_miss", |b| {
+        b.iter_batched_ref(
+            || {
+                next += BATCH;
+                batch(next)
+            },
+            |ks: &mut Vec<Key>| {
+                for k in ks.iter() {
+                    assert_eq!(m.lookup(REQ, k), Lookup::Miss);
+                }
+                m.end_step();
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    drop(m);
+
+    // Store + complete with eviction, primary alone: each new block evicts one.
+    store_bench(
+        &mut g,
+        "store_evict_lru",
+        filled(PolicyKind::Lru, false),
+        |_| {},
+    );
+    store_bench(
+        &mut g,
+        "store_evict_arc",
+        filled(PolicyKind::Arc, false),
+        |_| {},
+    );
+    // Cascade: store + complete (ok) to 2 tiers, their jobs' results, and the step's end.
+    store_bench(
+        &mut g,
+        "store_cascade_2_tiers",
+        filled(PolicyKind::Lru, true),
+        |m| {
+            complete_jobs(m);
+            m.end_step();
+            m.end_step();
+        },
+    );
+
+    // Promotion round trip: lookup (tier hit, Promoting, evicts one), end_step (load job
+    // submitted), result, next step's lookup collects it and answers Hit.
+    let mut m = filled(PolicyKind::Lru, true);
+    // Tier 0 also holds SLOTS..3*SLOTS; the primary holds the most recent SLOTS keys.
+    let mut fill = u64::from(SLOTS);
+    while fill < 3 * u64::from(SLOTS) {
+        let ks = batch(fill);
+        m.prepare_store(&ks).expect("room");
+        m.complete_store(REQ, &ks, true);
+        complete_jobs(&mut m);
+        m.end_step();
+        fill += BATCH;
+    }
+    m.end_step();
+    let span = 3 * u64::from(SLOTS);
+    let mut next = 0u64;
+    g.bench_function("promotion_round_trip", |b| {
+        b.iter_batched_ref(
+            || {
+                let ks = batch(next);
+                next = (next + BATCH) % (span - BATCH);
+                ks
+            },
+            |ks: &mut Vec<Key>| {
+                for k in ks.iter() {
+                    assert_eq!(m.lookup(REQ, k), Lookup::Retry);
+                }
+                m.end_step();
+                complete_jobs(&mut m);
+                m.end_step();
+                for k in ks.iter() {
+                    assert_eq!(m.lookup(REQ, k), Lookup::Hit);
+                }
+                m.end_step();
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+/// Stores batches of new keys (each evicting as many) into `m`, then runs `after`.
+fn store_bench(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    mut m: Manager,
+    after: impl Fn(&mut Manager),
+) {
+    let mut next = u64::from(SLOTS);
+    g.bench_function(name, |b| {
+        b.iter_batched_ref(
+            || {
+                next += BATCH;
+                batch(next)
+            },
+            |ks: &mut Vec<Key>| {
+                let p = m.prepare_store(ks).expect("room");
+                black_box(p.slots.len());
+                m.complete_store(REQ, ks, true);
+                after(&mut m);
+            },
+            BatchSize::SmallInput,
+        )
+    });
+}
+
+criterion_group!(core_ops, benches);
+criterion_main!(core_ops);

@@ -99,6 +99,9 @@ pub struct Config {
     pub health: HealthConfig,
     /// Optional reuse filter on stores.
     pub reuse: Option<ReuseFilter>,
+    /// Record [`Event`](crate::Event)s for `take_events`. Events accumulate until taken: turn
+    /// this off when the engine does not consume them.
+    pub events: bool,
 }
 
 impl Config {
@@ -111,6 +114,7 @@ impl Config {
             promotion_cooldown_steps: 16,
             health: HealthConfig::default(),
             reuse: None,
+            events: true,
         }
     }
 

@@ -1,5 +1,6 @@
 //! Events (what was stored and removed) and effects (what the IO layer must do).
 
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 
 use crate::key::{JobId, Key, RequestId, SlotId, TierId};
@@ -61,15 +62,15 @@ pub enum JobKind {
     Store {
         /// The request whose store this cascades.
         request: RequestId,
-        /// The blocks, in order.
-        blocks: Vec<Transfer>,
+        /// The blocks, in order (shared with the core's record of the job).
+        blocks: Arc<[Transfer]>,
     },
     /// Read each block from the tier into its primary slot, verifying it (a promotion).
     Load {
         /// The request whose lookups started it.
         request: RequestId,
-        /// The blocks, in lookup order.
-        blocks: Vec<Transfer>,
+        /// The blocks, in lookup order (shared with the core's record of the job).
+        blocks: Arc<[Transfer]>,
     },
     /// Ask a shared tier whether it holds `key`.
     Exists {

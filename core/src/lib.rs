@@ -35,6 +35,7 @@ mod manager;
 pub mod policy;
 mod primary;
 mod stats;
+mod table;
 mod tier;
 
 pub use config::{

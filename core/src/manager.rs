@@ -138,8 +138,14 @@ impl Manager {
                 stats: TierStats::default(),
             })
             .collect();
+        let mut primary = Primary::new(config.num_blocks, config.policy, config.reuse);
+        primary.set_events(config.events);
+        let mut tiers: Vec<Tier> = tiers;
+        for t in &mut tiers {
+            t.index.set_events(config.events);
+        }
         Ok(Manager {
-            primary: Primary::new(config.num_blocks, config.policy, config.reuse),
+            primary,
             tiers,
             jobs: BTreeMap::new(),
             next_job: 1,
@@ -229,17 +235,16 @@ impl Manager {
     pub fn lookup(&mut self, req: RequestId, key: &Key) -> Lookup {
         self.collect_once();
         self.stats.lookups += 1;
-        let answer = match self.primary.lookup(key) {
-            Lookup::Hit => {
+        let answer = match self.primary.lookup_slot(key) {
+            (Lookup::Hit, Some(slot)) => {
                 self.stats.hits += 1;
-                let (slot, _) = self.primary.state_of(key).expect("P3: hit is present");
                 self.requests.get_mut(req).hits.push(Transfer {
                     key: key.clone(),
                     slot,
                 });
                 Lookup::Hit
             }
-            Lookup::Miss => self.lookup_tiers(req, key),
+            (Lookup::Miss, _) => self.lookup_tiers(req, key),
             _ => Lookup::Retry,
         };
         match answer {
@@ -330,7 +335,9 @@ impl Manager {
     /// M6–M7: the engine's store of `keys` ended; if ok, cascade them to every tier.
     pub fn complete_store(&mut self, req: RequestId, keys: &[Key], ok: bool) {
         let mut ready = Vec::new();
-        self.primary.complete_store_into(keys, ok, &mut ready);
+        let cascade = ok && !self.closed && !self.tiers.is_empty();
+        self.primary
+            .complete_store_into(keys, ok, cascade.then_some(&mut ready));
         self.primary.drain_events(&mut self.events);
         if !ready.is_empty() && !self.closed {
             for t in 0..self.tiers.len() {
@@ -378,7 +385,7 @@ impl Manager {
             id,
             JobKind::Store {
                 request: req,
-                blocks: plan.writes,
+                blocks: plan.writes.into(),
             },
         );
     }
@@ -425,7 +432,7 @@ impl Manager {
                     tier,
                     JobKind::Load {
                         request: req,
-                        blocks,
+                        blocks: blocks.into(),
                     },
                 );
             }
@@ -610,7 +617,7 @@ impl Manager {
                 let tier = &mut self.tiers[tid.index()];
                 tier.stores_outstanding -= 1;
                 let mut stored = Vec::new();
-                for b in blocks {
+                for b in blocks.iter() {
                     self.primary.unpin_job(b.slot);
                     let ok = ok_of(&b.key);
                     tier.index.finish_write(&b.key, ok);
@@ -622,7 +629,7 @@ impl Manager {
                     }
                 }
                 self.stats.job_pins -= blocks.len() as u64;
-                if !stored.is_empty() {
+                if !stored.is_empty() && self.config.events {
                     self.events.push(Event {
                         medium: Medium::Tier(tid),
                         kind: EventKind::Stored,
@@ -636,7 +643,7 @@ impl Manager {
                     .finish_promotions(blocks.iter().map(|b| (b.slot, ok_of(&b.key))));
                 self.primary.drain_events(&mut self.events);
                 let mut deletes = Vec::new();
-                for b in blocks {
+                for b in blocks.iter() {
                     let ok = ok_of(&b.key);
                     let tier = &mut self.tiers[tid.index()];
                     if let Some(k) = tier.index.end_read(&b.key, ok, cancelled) {
@@ -769,7 +776,7 @@ impl Manager {
             match &o.job.kind {
                 JobKind::Store { blocks, .. } => {
                     stores[t] += 1;
-                    for b in blocks {
+                    for b in blocks.iter() {
                         ensure!(
                             self.primary.key_at(b.slot) == Some(&b.key),
                             "I6",

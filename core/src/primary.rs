@@ -11,6 +11,7 @@ use crate::error::{Error, Violation, ensure};
 use crate::event::{Event, EventKind, Lookup, Medium, Transfer};
 use crate::key::{Key, SlotId};
 use crate::policy::{EvictionPolicy, Policy};
+use crate::table::{IdTable, hash};
 
 /// The state of a block in the primary tier, as seen from outside.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,11 +67,12 @@ pub struct PreparedStore {
 #[derive(Clone, Debug)]
 pub struct Primary {
     slots: Vec<Slot>,
-    map: BTreeMap<Key, u32>,
+    index: IdTable,
     next_fresh: u32,
     free: Vec<u32>,
     policy: Policy,
     events: Vec<Event>,
+    record_events: bool,
     reuse: Option<ReuseTracker>,
 }
 
@@ -80,12 +82,28 @@ impl Primary {
         let n = num_blocks as usize;
         Primary {
             slots: alloc::vec![FREE_SLOT; n],
-            map: BTreeMap::new(),
+            index: IdTable::with_capacity(n),
             next_fresh: 0,
             free: Vec::new(),
             policy: Policy::new(policy, n),
             events: Vec::new(),
+            record_events: true,
             reuse: reuse.map(ReuseTracker::new),
+        }
+    }
+
+    /// Whether to record events (on by default). Events accumulate until taken.
+    pub fn set_events(&mut self, on: bool) {
+        self.record_events = on;
+    }
+
+    fn emit(&mut self, kind: EventKind, keys: Vec<Key>) {
+        if self.record_events && !keys.is_empty() {
+            self.events.push(Event {
+                medium: Medium::Primary,
+                kind,
+                keys,
+            });
         }
     }
 
@@ -96,12 +114,20 @@ impl Primary {
 
     /// Number of occupied slots.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.index.len()
     }
 
     /// Whether no slot is occupied.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.index.len() == 0
+    }
+
+    /// The slot holding `key`, in any state.
+    #[inline]
+    fn find(&self, key: &Key) -> Option<u32> {
+        self.index.find(hash(key), |s| {
+            self.slots[s as usize].key.as_ref() == Some(key)
+        })
     }
 
     /// Number of free slots (never used, or freed).
@@ -116,7 +142,7 @@ impl Primary {
 
     /// The state and slot of `key`, if present.
     pub fn state_of(&self, key: &Key) -> Option<(SlotId, BlockState)> {
-        let &s = self.map.get(key)?;
+        let s = self.find(key)?;
         let slot = &self.slots[s as usize];
         let state = match slot.state {
             SlotState::Pending => BlockState::Pending,
@@ -137,19 +163,20 @@ impl Primary {
 
     /// P1–P3: Miss, Retry or Hit. Counts the key for the reuse filter.
     pub fn lookup(&mut self, key: &Key) -> Lookup {
+        self.lookup_slot(key).0
+    }
+
+    /// `lookup`, also giving the slot of a Hit.
+    #[inline]
+    pub(crate) fn lookup_slot(&mut self, key: &Key) -> (Lookup, Option<SlotId>) {
         if let Some(r) = &mut self.reuse {
             r.record(key);
         }
-        self.peek(key)
-    }
-
-    /// The answer `lookup` would give, without counting the key.
-    pub(crate) fn peek(&self, key: &Key) -> Lookup {
-        match self.map.get(key) {
-            None => Lookup::Miss,
-            Some(&s) => match self.slots[s as usize].state {
-                SlotState::Ready => Lookup::Hit,
-                _ => Lookup::Retry,
+        match self.find(key) {
+            None => (Lookup::Miss, None),
+            Some(s) => match self.slots[s as usize].state {
+                SlotState::Ready => (Lookup::Hit, Some(SlotId(s))),
+                _ => (Lookup::Retry, None),
             },
         }
     }
@@ -158,16 +185,16 @@ impl Primary {
     pub fn prepare_store(&mut self, keys: &[Key]) -> Result<PreparedStore, Error> {
         let mut to_store = Vec::new();
         let mut protected = Vec::new();
-        let mut seen = DedupSet::default();
         for key in keys {
-            if let Some(&s) = self.map.get(key) {
+            if let Some(s) = self.find(key) {
                 protected.push(s);
             } else if self.reuse.as_ref().is_some_and(|r| !r.reused(key)) {
                 // P17: not seen often enough.
-            } else if seen.insert(key, &to_store) {
+            } else {
                 to_store.push(key.clone());
             }
         }
+        dedup_in_order(&mut to_store);
         if to_store.is_empty() {
             return Ok(PreparedStore::default()); // P4
         }
@@ -224,11 +251,9 @@ impl Primary {
         }
         if !evicted.is_empty() {
             tracing::debug!(count = evicted.len(), "primary evict");
-            self.events.push(Event {
-                medium: Medium::Primary,
-                kind: EventKind::Removed,
-                keys: evicted.clone(),
-            });
+            if self.record_events {
+                self.emit(EventKind::Removed, evicted.clone());
+            }
         }
         let mut slots = Vec::with_capacity(keys.len());
         for key in keys {
@@ -236,7 +261,7 @@ impl Primary {
             let slot = &mut self.slots[s as usize];
             slot.key = Some(key.clone());
             slot.state = state;
-            self.map.insert(key.clone(), s);
+            self.index.insert(hash(key), s);
             self.policy.insert(s, key);
             slots.push(SlotId(s));
         }
@@ -258,22 +283,27 @@ impl Primary {
     fn release(&mut self, s: u32) -> Key {
         let slot = core::mem::replace(&mut self.slots[s as usize], FREE_SLOT);
         let key = slot.key.expect("released slot is occupied");
-        self.map.remove(&key);
+        self.index.remove(hash(&key), s);
         self.free.push(s);
         key
     }
 
     /// P8–P10. Pending blocks become Ready (ok) or are removed (not ok); others are ignored.
     pub fn complete_store(&mut self, keys: &[Key], ok: bool) {
-        let mut stored = Vec::new();
-        self.complete_store_into(keys, ok, &mut stored);
+        self.complete_store_into(keys, ok, None);
     }
 
-    /// `complete_store`, also listing the blocks that became Ready.
-    pub(crate) fn complete_store_into(&mut self, keys: &[Key], ok: bool, out: &mut Vec<Transfer>) {
+    /// `complete_store`, also listing the blocks that became Ready in `out`.
+    pub(crate) fn complete_store_into(
+        &mut self,
+        keys: &[Key],
+        ok: bool,
+        mut out: Option<&mut Vec<Transfer>>,
+    ) {
         let mut stored = Vec::new();
+        let mut count = 0usize;
         for key in keys {
-            let Some(&s) = self.map.get(key) else {
+            let Some(s) = self.find(key) else {
                 continue;
             };
             if self.slots[s as usize].state != SlotState::Pending {
@@ -281,32 +311,31 @@ impl Primary {
             }
             if ok {
                 self.slots[s as usize].state = SlotState::Ready; // P8
-                stored.push(key.clone());
-                out.push(Transfer {
-                    key: key.clone(),
-                    slot: SlotId(s),
-                });
+                count += 1;
+                if self.record_events {
+                    stored.push(key.clone());
+                }
+                if let Some(out) = out.as_deref_mut() {
+                    out.push(Transfer {
+                        key: key.clone(),
+                        slot: SlotId(s),
+                    });
+                }
             } else {
                 self.release(s); // P9
                 self.policy.remove(s);
             }
         }
-        tracing::debug!(ok, stored = stored.len(), "primary complete_store");
-        if !stored.is_empty() {
-            self.events.push(Event {
-                medium: Medium::Primary,
-                kind: EventKind::Stored,
-                keys: stored,
-            });
-        }
+        tracing::debug!(ok, stored = count, "primary complete_store");
+        self.emit(EventKind::Stored, stored);
     }
 
     /// P11–P12: pin every key once per occurrence; all must be Ready.
     pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
         let mut slots = Vec::with_capacity(keys.len());
         for key in keys {
-            match self.map.get(key) {
-                Some(&s) if self.slots[s as usize].state == SlotState::Ready => {
+            match self.find(key) {
+                Some(s) if self.slots[s as usize].state == SlotState::Ready => {
                     slots.push(SlotId(s))
                 }
                 _ => return Err(Error::NotReady { key: key.clone() }),
@@ -322,13 +351,14 @@ impl Primary {
     /// P13–P14: unpin every key once per occurrence; all or nothing.
     pub fn complete_load(&mut self, keys: &[Key]) -> Result<(), Error> {
         for (i, key) in keys.iter().enumerate() {
-            let slot = self.map.get(key).map(|&s| s as usize);
+            let slot = self.find(key).map(|s| s as usize);
             match slot {
                 Some(s) if self.slots[s].load_pins > 0 => self.slots[s].load_pins -= 1,
                 _ => {
                     // Undo the unpins done so far: the state stays unchanged.
                     for done in &keys[..i] {
-                        self.slots[self.map[done] as usize].load_pins += 1;
+                        let s = self.find(done).expect("unpinned above");
+                        self.slots[s as usize].load_pins += 1;
                     }
                     return Err(Error::NotPinned { key: key.clone() });
                 }
@@ -342,9 +372,8 @@ impl Primary {
     pub fn touch(&mut self, keys: &[Key]) {
         for key in keys.iter().rev() {
             let resident = self
-                .map
-                .get(key)
-                .map(|&s| (s, self.slots[s as usize].state == SlotState::Ready));
+                .find(key)
+                .map(|s| (s, self.slots[s as usize].state == SlotState::Ready));
             self.policy.touch(key, resident);
         }
     }
@@ -392,20 +421,15 @@ impl Primary {
                 self.policy.remove(slot.0);
             }
         }
-        if !stored.is_empty() {
-            self.events.push(Event {
-                medium: Medium::Primary,
-                kind: EventKind::Stored,
-                keys: stored,
-            });
-        }
+        self.emit(EventKind::Stored, stored);
     }
 
     /// Iterates occupied slots: (slot, key, state).
     pub(crate) fn blocks(&self) -> impl Iterator<Item = (SlotId, &Key, BlockState)> + '_ {
-        self.map.iter().map(|(k, &s)| {
-            let (_, state) = self.state_of(k).expect("mapped");
-            (SlotId(s), k, state)
+        self.slots.iter().enumerate().filter_map(|(i, slot)| {
+            let key = slot.key.as_ref()?;
+            let (_, state) = self.state_of(key)?;
+            Some((SlotId(i as u32), key, state))
         })
     }
 
@@ -414,12 +438,12 @@ impl Primary {
         let n = self.slots.len();
         // I1: slot conservation.
         let fresh = n - self.next_fresh as usize;
+        let occupied = self.index.len();
         ensure!(
-            fresh + self.free.len() + self.map.len() == n,
+            fresh + self.free.len() + occupied == n,
             "I1",
-            "fresh {fresh} + free {} + occupied {} != {n}",
-            self.free.len(),
-            self.map.len()
+            "fresh {fresh} + free {} + occupied {occupied} != {n}",
+            self.free.len()
         );
         let mut on_stack = BTreeSet::new();
         for &s in &self.free {
@@ -448,7 +472,7 @@ impl Primary {
                 (None, SlotState::Free) => {}
                 (Some(k), st) if st != SlotState::Free => {
                     ensure!(
-                        self.map.get(k) == Some(&(i as u32)),
+                        self.find(k) == Some(i as u32),
                         "I2",
                         "slot {i} holds {k} but the map disagrees"
                     );
@@ -476,15 +500,21 @@ impl Primary {
             );
         }
         ensure!(
-            self.policy.len() == self.map.len(),
+            self.policy.len() == occupied,
             "I7",
-            "policy tracks {} blocks, {} occupied",
-            self.policy.len(),
-            self.map.len()
+            "policy tracks {} blocks, {occupied} occupied",
+            self.policy.len()
+        );
+        ensure!(
+            self.index
+                .ids()
+                .all(|s| self.slots[s as usize].key.is_some()),
+            "I2",
+            "the key index names a free slot"
         );
         self.policy.check().map_err(|d| Violation::new("I7", d))?;
         if let Policy::Arc(arc) = &self.policy {
-            for k in self.map.keys() {
+            for k in self.slots.iter().filter_map(|s| s.key.as_ref()) {
                 ensure!(!arc.is_ghost(k), "I7", "resident {k} is also a ghost");
             }
         }
@@ -492,25 +522,46 @@ impl Primary {
     }
 }
 
-/// De-duplicates a short key list by scanning, a long one with a set.
-#[derive(Default)]
-struct DedupSet {
-    set: Option<BTreeSet<Key>>,
-}
-
-impl DedupSet {
-    const SCAN_LIMIT: usize = 16;
-
-    /// Whether `key` is new; `so_far` holds the keys accepted until now.
-    fn insert(&mut self, key: &Key, so_far: &[Key]) -> bool {
-        if so_far.len() < Self::SCAN_LIMIT {
-            return !so_far.contains(key);
-        }
-        let set = self
-            .set
-            .get_or_insert_with(|| so_far.iter().cloned().collect());
-        set.insert(key.clone())
+/// Removes repeated keys, keeping each first occurrence in place.
+fn dedup_in_order(keys: &mut Vec<Key>) {
+    const PAIRWISE: usize = 32;
+    if keys.len() < 2 {
+        return;
     }
+    let mut repeated = Vec::new();
+    if keys.len() <= PAIRWISE {
+        // Short lists: compare each key with the earlier ones (hash first, inline).
+        for i in 1..keys.len() {
+            if keys[..i].contains(&keys[i]) {
+                repeated.push(i);
+            }
+        }
+    } else {
+        let mut order: Vec<(u64, usize)> = keys.iter().map(hash).zip(0..).collect();
+        order.sort_unstable();
+        // Within a run of equal hashes (sorted by index), a key repeats an earlier one if
+        // their bytes are equal; distinct keys with equal hashes are compared pairwise.
+        for run in order.chunk_by(|a, b| a.0 == b.0) {
+            for (n, later) in run.iter().enumerate().skip(1) {
+                if run[..n]
+                    .iter()
+                    .any(|earlier| keys[earlier.1] == keys[later.1])
+                {
+                    repeated.push(later.1);
+                }
+            }
+        }
+        repeated.sort_unstable();
+    }
+    if repeated.is_empty() {
+        return;
+    }
+    let mut i = 0;
+    keys.retain(|_| {
+        let keep = repeated.binary_search(&i).is_err();
+        i += 1;
+        keep
+    });
 }
 
 /// The reuse filter's bounded counter: least recently seen keys are forgotten first.

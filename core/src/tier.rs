@@ -13,6 +13,7 @@ use crate::error::{Violation, ensure};
 use crate::event::{Event, EventKind, Medium, Transfer};
 use crate::key::{JobId, Key, TierId};
 use crate::policy::{EvictionPolicy, Policy};
+use crate::table::{IdTable, hash};
 
 /// A tier's answer to a lookup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,12 +67,13 @@ pub struct TierIndex {
     capacity: u32,
     entries: Vec<Option<Entry>>,
     free_ids: Vec<u32>,
-    map: BTreeMap<Key, u32>,
+    index: IdTable,
     policy: Policy,
     probing: BTreeMap<Key, JobId>,
     absent_ttl: u64,
     known_absent: BTreeMap<Key, u64>,
     absent_expiry: VecDeque<(u64, Key)>,
+    record_events: bool,
 }
 
 impl TierIndex {
@@ -83,23 +85,39 @@ impl TierIndex {
             capacity: config.capacity_blocks,
             entries: Vec::new(),
             free_ids: Vec::new(),
-            map: BTreeMap::new(),
+            index: IdTable::default(),
             policy: Policy::new(config.policy, config.capacity_blocks as usize),
             probing: BTreeMap::new(),
             absent_ttl: u64::from(config.absent_ttl_steps),
             known_absent: BTreeMap::new(),
             absent_expiry: VecDeque::new(),
+            record_events: true,
         }
+    }
+
+    /// Whether to record events (on by default).
+    pub fn set_events(&mut self, on: bool) {
+        self.record_events = on;
     }
 
     /// Blocks held or being written.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.index.len()
     }
 
     /// Whether the index holds nothing.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.index.len() == 0
+    }
+
+    /// The entry id of `key`, if indexed.
+    #[inline]
+    fn find(&self, key: &Key) -> Option<u32> {
+        self.index.find(hash(key), |id| {
+            self.entries[id as usize]
+                .as_ref()
+                .is_some_and(|e| &e.key == key)
+        })
     }
 
     /// Capacity in blocks.
@@ -114,7 +132,7 @@ impl TierIndex {
 
     /// The state of `key`, if the index has it.
     pub fn state_of(&self, key: &Key) -> Option<EntryState> {
-        self.map.get(key).map(|&id| self.entry(id).state)
+        self.find(key).map(|id| self.entry(id).state)
     }
 
     /// Whether an existence probe of `key` is in flight.
@@ -136,7 +154,7 @@ impl TierIndex {
 
     /// T1–T4.
     pub fn lookup(&self, key: &Key, step: u64) -> TierAnswer {
-        if let Some(&id) = self.map.get(key) {
+        if let Some(id) = self.find(key) {
             return match self.entry(id).state {
                 EntryState::Present { .. } => TierAnswer::Present,
                 EntryState::Writing => TierAnswer::Busy,
@@ -164,7 +182,7 @@ impl TierIndex {
             }
         };
         self.policy.insert(id, &key);
-        self.map.insert(key.clone(), id);
+        self.index.insert(hash(&key), id);
         self.known_absent.remove(&key);
         self.entries[id as usize] = Some(Entry { key, state });
     }
@@ -174,7 +192,7 @@ impl TierIndex {
         let entry = self.entries[id as usize]
             .take()
             .expect("mapped entry exists");
-        self.map.remove(&entry.key);
+        self.index.remove(hash(&entry.key), id);
         if evicted {
             self.policy.evict(id, entry.key.clone());
         } else {
@@ -208,6 +226,8 @@ impl TierIndex {
         let keys: Vec<Key> = victims.iter().map(|&v| self.remove(v, true)).collect();
         if !keys.is_empty() {
             tracing::debug!(tier = self.id.0, count = keys.len(), "tier evict");
+        }
+        if !keys.is_empty() && self.record_events {
             events.push(Event {
                 medium: Medium::Tier(self.id),
                 kind: EventKind::Removed,
@@ -218,7 +238,7 @@ impl TierIndex {
     }
 
     fn room(&self) -> usize {
-        self.capacity as usize - self.map.len()
+        self.capacity as usize - self.index.len()
     }
 
     /// T7: plan a store job for `blocks`: skip held keys, evict idle blocks for room, mark the
@@ -228,8 +248,8 @@ impl TierIndex {
         let mut protected = Vec::new();
         let mut to_write = Vec::new();
         for b in blocks {
-            match self.map.get(&b.key) {
-                Some(&id) => {
+            match self.find(&b.key) {
+                Some(id) => {
                     protected.push(id);
                     plan.held += 1;
                 }
@@ -257,7 +277,7 @@ impl TierIndex {
 
     /// T8–T9: a write ended.
     pub(crate) fn finish_write(&mut self, key: &Key, ok: bool) {
-        let id = self.map[key];
+        let id = self.find(key).expect("I8: a written block is indexed");
         debug_assert_eq!(self.entry(id).state, EntryState::Writing, "I8");
         if ok {
             self.entry_mut(id).state = EntryState::Present { readers: 0 };
@@ -268,7 +288,7 @@ impl TierIndex {
 
     /// T10: a promotion starts reading `key`.
     pub(crate) fn start_read(&mut self, key: &Key) {
-        let id = self.map[key];
+        let id = self.find(key).expect("T10: a read block is indexed");
         match &mut self.entry_mut(id).state {
             EntryState::Present { readers } => *readers += 1,
             EntryState::Writing => unreachable!("T10: only Present blocks are read"),
@@ -278,7 +298,7 @@ impl TierIndex {
     /// T11: a read ended. A failed read drops the block; returns the key to delete when the
     /// tier is authoritative. A cancelled read (shutdown) only releases the reader.
     pub(crate) fn end_read(&mut self, key: &Key, ok: bool, cancelled: bool) -> Option<Key> {
-        let id = self.map[key];
+        let id = self.find(key).expect("I8: a read block is indexed");
         let EntryState::Present { readers } = &mut self.entry_mut(id).state else {
             unreachable!("I8: a read block is Present");
         };
@@ -306,7 +326,7 @@ impl TierIndex {
         events: &mut Vec<Event>,
     ) -> Vec<Key> {
         self.probing.remove(key);
-        if self.map.contains_key(key) {
+        if self.find(key).is_some() {
             return Vec::new(); // written meanwhile by this node
         }
         match found {
@@ -347,7 +367,7 @@ impl TierIndex {
     /// T12: recency update, last key to first.
     pub fn touch(&mut self, keys: &[Key]) {
         for key in keys.iter().rev() {
-            let resident = self.map.get(key).map(|&id| {
+            let resident = self.find(key).map(|id| {
                 (
                     id,
                     matches!(self.entry(id).state, EntryState::Present { .. }),
@@ -362,7 +382,7 @@ impl TierIndex {
     pub(crate) fn restore(&mut self, keys: impl IntoIterator<Item = Key>) -> Vec<Key> {
         let mut rejected = Vec::new();
         for key in keys {
-            if self.map.contains_key(&key) {
+            if self.find(&key).is_some() {
                 continue;
             }
             if self.room() == 0 {
@@ -400,43 +420,51 @@ impl TierIndex {
     /// I7 and I8 for this index alone.
     pub fn check_invariants(&self) -> Result<(), Violation> {
         let t = self.id;
+        let len = self.index.len();
         ensure!(
-            self.map.len() <= self.capacity as usize,
+            len <= self.capacity as usize,
             "I8",
-            "{t} holds {} blocks, capacity {}",
-            self.map.len(),
+            "{t} holds {len} blocks, capacity {}",
             self.capacity
         );
         let live = self.entries.iter().flatten().count();
         ensure!(
-            live == self.map.len() && live + self.free_ids.len() == self.entries.len(),
+            live == len && live + self.free_ids.len() == self.entries.len(),
             "I8",
-            "{t}: {live} entries, {} mapped, {} free ids",
-            self.map.len(),
+            "{t}: {live} entries, {len} indexed, {} free ids",
             self.free_ids.len()
         );
-        for (key, &id) in &self.map {
-            let e = self.entries.get(id as usize).and_then(Option::as_ref);
+        for (id, e) in self.entries.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let key = &e.key;
             ensure!(
-                e.is_some_and(|e| &e.key == key),
+                self.find(key) == Some(id as u32),
                 "I8",
-                "{t}: map and entries disagree on {key}"
+                "{t}: index and entries disagree on {key}"
             );
-            ensure!(self.policy.contains(id), "I7", "{t}: policy misses {key}");
+            ensure!(
+                self.policy.contains(id as u32),
+                "I7",
+                "{t}: policy misses {key}"
+            );
         }
         ensure!(
-            self.policy.len() == self.map.len(),
+            self.policy.len() == len,
             "I7",
-            "{t}: policy tracks {}, index {}",
-            self.policy.len(),
-            self.map.len()
+            "{t}: policy tracks {}, index {len}",
+            self.policy.len()
         );
         self.policy
             .check()
             .map_err(|d| Violation::new("I7", format!("{t}: {d}")))?;
         if let Policy::Arc(arc) = &self.policy {
-            for k in self.map.keys() {
-                ensure!(!arc.is_ghost(k), "I7", "{t}: resident {k} is also a ghost");
+            for e in self.entries.iter().flatten() {
+                ensure!(
+                    !arc.is_ghost(&e.key),
+                    "I7",
+                    "{t}: resident {} is also a ghost",
+                    e.key
+                );
             }
         }
         Ok(())

@@ -1,12 +1,12 @@
 //! vLLM's simplified adaptive replacement cache (rules A1–A6).
 
-use alloc::collections::BTreeMap;
 use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 
 use super::{EvictionPolicy, Lists};
 use crate::key::Key;
+use crate::table::{IdTable, hash};
 
 const T1: usize = 0;
 const T2: usize = 1;
@@ -30,7 +30,7 @@ pub struct ArcPolicy {
 struct Ghosts {
     keys: Vec<Option<Key>>,
     free: Vec<u32>,
-    by_key: BTreeMap<Key, u32>,
+    by_key: IdTable,
     lists: Lists<2>,
 }
 
@@ -46,14 +46,19 @@ impl Ghosts {
                 (self.keys.len() - 1) as u32
             }
         };
-        self.by_key.insert(key, id);
+        self.by_key.insert(hash(&key), id);
         self.lists.push_back(list, id);
+    }
+
+    fn find(&self, key: &Key) -> Option<u32> {
+        self.by_key
+            .find(hash(key), |g| self.keys[g as usize].as_ref() == Some(key))
     }
 
     fn remove(&mut self, id: u32) {
         self.lists.remove(id);
         if let Some(key) = self.keys[id as usize].take() {
-            self.by_key.remove(&key);
+            self.by_key.remove(hash(&key), id);
         }
         self.free.push(id);
     }
@@ -112,7 +117,7 @@ impl EvictionPolicy for ArcPolicy {
     fn insert(&mut self, id: u32, key: &Key) {
         // A1: append to T1, forget the key's ghost, no adaptation.
         self.resident.push_back(T1, id);
-        if let Some(&g) = self.ghosts.by_key.get(key) {
+        if let Some(g) = self.ghosts.find(key) {
             self.ghosts.remove(g);
         }
     }
@@ -132,7 +137,7 @@ impl EvictionPolicy for ArcPolicy {
             return;
         }
         // A5: a ghost adapts p and moves to its list's end.
-        let Some(&g) = self.ghosts.by_key.get(key) else {
+        let Some(g) = self.ghosts.find(key) else {
             return;
         };
         let b1 = self.ghosts.lists.len(B1) as f64;
@@ -204,9 +209,12 @@ impl EvictionPolicy for ArcPolicy {
                 self.ghosts.by_key.len()
             ));
         }
-        for (key, &g) in &self.ghosts.by_key {
-            if self.ghosts.keys[g as usize].as_ref() != Some(key) {
-                return Err(format!("ghost {g} does not hold key {key}"));
+        for g in self.ghosts.by_key.ids() {
+            let Some(key) = &self.ghosts.keys[g as usize] else {
+                return Err(format!("ghost {g} is indexed but holds no key"));
+            };
+            if self.ghosts.find(key) != Some(g) {
+                return Err(format!("ghost {g} is not found by its key {key}"));
             }
         }
         Ok(())
@@ -216,6 +224,6 @@ impl EvictionPolicy for ArcPolicy {
 impl ArcPolicy {
     /// Whether `key` is remembered in a ghost list (used to check I7: ghosts are not resident).
     pub(crate) fn is_ghost(&self, key: &Key) -> bool {
-        self.ghosts.by_key.contains_key(key)
+        self.ghosts.find(key).is_some()
     }
 }

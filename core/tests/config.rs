@@ -1,0 +1,102 @@
+//! Rule ★7 for configuration: an invalid value is a typed error naming the field.
+
+use kvtier_core::{Config, ConfigError, Manager, ReuseFilter, TierConfig, TierKind};
+
+/// A way to break one field of a valid config.
+type Breaker = Box<dyn Fn(&mut Config)>;
+
+fn field_of(c: Config) -> String {
+    match Manager::new(c) {
+        Err(ConfigError::Invalid { field, .. }) => field,
+        Ok(_) => panic!("accepted an invalid config"),
+    }
+}
+
+#[test]
+fn invalid_fields_are_named() {
+    let valid = || {
+        let mut c = Config::new(4);
+        c.tiers = vec![
+            TierConfig::new(TierKind::Authoritative, 8),
+            TierConfig::new(TierKind::Shared, 8),
+        ];
+        c
+    };
+    Manager::new(valid()).unwrap();
+
+    let cases: Vec<(&str, Breaker)> = vec![
+        ("num_blocks", Box::new(|c| c.num_blocks = 0)),
+        ("num_blocks", Box::new(|c| c.num_blocks = u32::MAX)),
+        (
+            "tiers[1].capacity_blocks",
+            Box::new(|c| c.tiers[1].capacity_blocks = 0),
+        ),
+        (
+            "tiers[0].max_outstanding_stores",
+            Box::new(|c| c.tiers[0].max_outstanding_stores = 0),
+        ),
+        (
+            "tiers[1].absent_ttl_steps",
+            Box::new(|c| c.tiers[1].absent_ttl_steps = 0),
+        ),
+        (
+            "promotion_cooldown_steps",
+            Box::new(|c| c.promotion_cooldown_steps = 0),
+        ),
+        (
+            "health.failures_to_down",
+            Box::new(|c| c.health.failures_to_down = 0),
+        ),
+        (
+            "health.probe_interval_steps",
+            Box::new(|c| c.health.probe_interval_steps = 0),
+        ),
+        (
+            "reuse.store_threshold",
+            Box::new(|c| {
+                c.reuse = Some(ReuseFilter {
+                    store_threshold: 1,
+                    max_tracker_size: 8,
+                })
+            }),
+        ),
+        (
+            "reuse.max_tracker_size",
+            Box::new(|c| {
+                c.reuse = Some(ReuseFilter {
+                    store_threshold: 2,
+                    max_tracker_size: 0,
+                })
+            }),
+        ),
+        (
+            "tiers",
+            Box::new(|c| c.tiers = vec![TierConfig::new(TierKind::Authoritative, 1); 65]),
+        ),
+    ];
+    for (field, break_it) in cases {
+        let mut c = valid();
+        break_it(&mut c);
+        assert_eq!(field_of(c), field);
+    }
+}
+
+#[test]
+fn error_message_names_field_and_reason() {
+    let mut c = Config::new(4);
+    c.tiers = vec![TierConfig::new(TierKind::Authoritative, 0)];
+    let e = Manager::new(c).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid config field `tiers[0].capacity_blocks`: must be at least 1"
+    );
+}
+
+#[test]
+fn an_authoritative_tier_ignores_the_absent_ttl() {
+    let mut c = Config::new(4);
+    let mut t = TierConfig::new(TierKind::Authoritative, 8);
+    t.absent_ttl_steps = 0;
+    c.tiers = vec![t];
+    Manager::new(c).unwrap();
+}
