@@ -42,6 +42,9 @@ pub struct TierConfig {
     pub max_outstanding_stores: u32,
     /// Shared tiers: how many steps an existence probe's "not found" answer is trusted.
     pub absent_ttl_steps: u32,
+    /// Shared tiers: at most this many existence probes outstanding; beyond it a lookup of an
+    /// unknown key skips the tier (counted in `probes_skipped`).
+    pub max_outstanding_probes: u32,
 }
 
 impl TierConfig {
@@ -53,6 +56,7 @@ impl TierConfig {
             policy: PolicyKind::Lru,
             max_outstanding_stores: 64,
             absent_ttl_steps: 64,
+            max_outstanding_probes: 256,
         }
     }
 }

@@ -2,6 +2,8 @@
 //! health and back-pressure (rules M1–M11, J1–J5, H1–H6).
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+#[cfg(test)]
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 
 use crate::config::{Config, ConfigError};
@@ -22,6 +24,7 @@ struct Tier {
     failures: u32,
     stores_outstanding: u32,
     max_outstanding_stores: u32,
+    max_outstanding_probes: u32,
     stats: TierStats,
 }
 
@@ -135,6 +138,7 @@ impl Manager {
                 failures: 0,
                 stores_outstanding: 0,
                 max_outstanding_stores: t.max_outstanding_stores,
+                max_outstanding_probes: t.max_outstanding_probes,
                 stats: TierStats::default(),
             })
             .collect();
@@ -269,6 +273,11 @@ impl Manager {
                 TierAnswer::Present => return self.start_promotion(req, id, key),
                 TierAnswer::Busy => busy = true,
                 TierAnswer::Absent => {}
+                TierAnswer::Unknown
+                    if tier.index.probes_outstanding() >= tier.max_outstanding_probes as usize =>
+                {
+                    self.tiers[t].stats.probes_skipped += 1; // bounded, like ★4
+                }
                 TierAnswer::Unknown => {
                     let job = self.submit(id, JobKind::Exists { key: key.clone() });
                     let tier = &mut self.tiers[t];
@@ -864,6 +873,13 @@ impl Manager {
                 stores[t],
                 tier.max_outstanding_stores
             );
+            ensure!(
+                tier.index.probes_outstanding() <= tier.max_outstanding_probes as usize,
+                "I9",
+                "tier {t}: {} probes outstanding, bound {}",
+                tier.index.probes_outstanding(),
+                tier.max_outstanding_probes
+            );
             let indexed: BTreeMap<&Key, JobId> = tier.index.probes().collect();
             ensure!(
                 indexed == probes[t],
@@ -894,5 +910,96 @@ impl Tier {
             HealthState::Probing { .. } => Health::Probing,
             HealthState::Closed => Health::Closed,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! `check_invariants` must fail on a corrupted state: each test breaks one invariant by
+    //! hand and expects its id.
+
+    use super::*;
+    use crate::config::{TierConfig, TierKind};
+
+    fn key(i: u8) -> Key {
+        Key::from([i])
+    }
+
+    /// A manager with blocks 1 and 2 Ready and cascading to one tier (one store job out).
+    fn busy() -> Manager {
+        let mut c = Config::new(4);
+        c.tiers = alloc::vec![TierConfig::new(TierKind::Authoritative, 4)];
+        let mut m = Manager::new(c).unwrap();
+        m.prepare_store(&[key(1), key(2)]).unwrap();
+        m.complete_store(RequestId(1), &[key(1), key(2)], true);
+        m.check_invariants().unwrap();
+        m
+    }
+
+    fn violated(m: &Manager) -> &'static str {
+        m.check_invariants()
+            .expect_err("corruption not detected")
+            .id
+    }
+
+    #[test]
+    fn detects_a_lost_cascade_pin() {
+        let mut m = busy();
+        m.primary.unpin_job(SlotId(0));
+        assert_eq!(violated(&m), "I4");
+    }
+
+    #[test]
+    fn detects_a_forgotten_store_job() {
+        let mut m = busy();
+        m.jobs.clear();
+        assert_eq!(violated(&m), "I4");
+    }
+
+    #[test]
+    fn detects_a_promotion_without_a_job() {
+        let mut m = busy();
+        m.restore_tier(TierId(0), [key(9)]).unwrap();
+        assert_eq!(m.lookup(RequestId(1), &key(9)), Lookup::Retry);
+        m.requests = Requests::default();
+        assert_eq!(violated(&m), "I5");
+    }
+
+    #[test]
+    fn detects_a_freed_slot_under_a_job() {
+        let mut m = busy();
+        // Free slot 0 behind the store job's back (as an early release on timeout would).
+        m.primary.force_free(SlotId(0));
+        m.primary.check_invariants().unwrap();
+        assert_eq!(violated(&m), "I6");
+    }
+
+    #[test]
+    fn detects_back_pressure_overrun() {
+        let mut m = busy();
+        m.tiers[0].max_outstanding_stores = 0;
+        assert_eq!(violated(&m), "I9");
+    }
+
+    #[test]
+    fn detects_a_health_job_mismatch() {
+        let mut m = busy();
+        m.tiers[0].health = HealthState::Probing { job: JobId(42) };
+        assert_eq!(violated(&m), "I10");
+    }
+
+    #[test]
+    fn detects_a_tier_write_without_a_job() {
+        let mut m = busy();
+        let job = m.jobs.values_mut().next().unwrap();
+        job.job.kind = JobKind::Store {
+            request: RequestId(1),
+            blocks: Arc::from(alloc::vec![]),
+        };
+        // The pins now lack their job (I4) before the tier's Writing entries are checked.
+        assert_eq!(violated(&m), "I4");
+        let mut m = busy();
+        m.tiers[0].index.finish_write(&key(1), true);
+        assert_eq!(violated(&m), "I8");
     }
 }

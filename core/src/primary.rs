@@ -424,6 +424,15 @@ impl Primary {
         self.emit(EventKind::Stored, stored);
     }
 
+    /// Frees `slot` whatever its state (tests of the invariant checks only).
+    #[cfg(test)]
+    pub(crate) fn force_free(&mut self, slot: SlotId) {
+        self.slots[slot.index()].job_pins = 0;
+        self.slots[slot.index()].load_pins = 0;
+        self.release(slot.0);
+        self.policy.remove(slot.0);
+    }
+
     /// Iterates occupied slots: (slot, key, state).
     pub(crate) fn blocks(&self) -> impl Iterator<Item = (SlotId, &Key, BlockState)> + '_ {
         self.slots.iter().enumerate().filter_map(|(i, slot)| {
@@ -605,5 +614,71 @@ impl ReuseTracker {
         self.counts
             .get(key)
             .is_some_and(|&(c, _)| c >= self.filter.store_threshold)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! `check_invariants` of the primary must fail on a corrupted state.
+
+    use super::*;
+
+    fn full() -> Primary {
+        let mut p = Primary::new(4, PolicyKind::Arc, None);
+        let keys: Vec<Key> = (0u8..3).map(|i| Key::from([i])).collect();
+        p.prepare_store(&keys).unwrap();
+        p.complete_store(&keys[..2], true);
+        p.check_invariants().unwrap();
+        p
+    }
+
+    fn violated(p: &Primary) -> &'static str {
+        p.check_invariants()
+            .expect_err("corruption not detected")
+            .id
+    }
+
+    #[test]
+    fn detects_a_slot_freed_twice() {
+        let mut p = full();
+        p.force_free(SlotId(0));
+        p.free.push(0);
+        assert_eq!(violated(&p), "I1");
+    }
+
+    #[test]
+    fn detects_a_lost_slot() {
+        let mut p = full();
+        p.next_fresh += 1;
+        assert_eq!(violated(&p), "I1");
+    }
+
+    #[test]
+    fn detects_double_ownership() {
+        let mut p = full();
+        p.slots[1].key = p.slots[0].key.clone();
+        assert_eq!(violated(&p), "I2");
+    }
+
+    #[test]
+    fn detects_a_pin_on_a_pending_block() {
+        let mut p = full();
+        p.slots[2].load_pins = 1;
+        assert_eq!(violated(&p), "I3");
+    }
+
+    #[test]
+    fn detects_a_policy_out_of_step() {
+        let mut p = full();
+        p.policy.remove(1);
+        assert_eq!(violated(&p), "I7");
+    }
+
+    #[test]
+    fn detects_a_resident_ghost() {
+        let mut p = full();
+        p.policy.evict(0, Key::from([0u8]));
+        p.policy.insert(0, &Key::from([9u8]));
+        assert_eq!(violated(&p), "I7");
     }
 }

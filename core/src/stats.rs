@@ -47,6 +47,8 @@ pub struct TierStats {
     pub jobs_failed: u64,
     /// Existence probes submitted (shared tiers).
     pub probes: u64,
+    /// Lookups that skipped the tier because its probes were at their bound.
+    pub probes_skipped: u64,
     /// Times the tier went Down.
     pub went_down: u64,
     /// Times a health probe brought it back Up.

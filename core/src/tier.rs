@@ -135,6 +135,11 @@ impl TierIndex {
         self.find(key).map(|id| self.entry(id).state)
     }
 
+    /// Existence probes in flight.
+    pub fn probes_outstanding(&self) -> usize {
+        self.probing.len()
+    }
+
     /// Whether an existence probe of `key` is in flight.
     pub fn is_probing(&self, key: &Key) -> bool {
         self.probing.contains_key(key)

@@ -610,3 +610,17 @@ fn settles_to_quiescence() {
         }
     }
 }
+
+/// T4 bounded: beyond `max_outstanding_probes` a shared tier is skipped for unknown keys.
+#[test]
+fn probes_are_bounded() {
+    let mut c = Config::new(4);
+    let mut t = TierConfig::new(TierKind::Shared, 8);
+    t.max_outstanding_probes = 1;
+    c.tiers = vec![t];
+    let mut m = manager_with(c);
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(2)), Lookup::Miss);
+    assert_eq!(jobs(&drain(&mut m)).len(), 1);
+    assert_eq!(m.stats().tiers[0].1.probes_skipped, 1);
+}
