@@ -107,21 +107,28 @@ fn memory_report() {
             "memory {policy:?}: {per_slot:.1} bytes of metadata per occupied slot beyond {KEY_BYTES} key bytes"
         );
         if policy == PolicyKind::Arc {
-            // Churn until both ghost lists could be full: ghosts cost metadata too.
+            // Fill both ghost lists to the capacity, the worst case: churn touched blocks
+            // (they reach T2 and are evicted to B2), then untouched ones (T1, evicted to B1).
             let mut next = u64::from(SLOTS);
-            for _ in 0..(2 * SLOTS as u64 / BATCH) {
-                let ks = batch(next);
-                next += BATCH;
-                m.prepare_store(&ks).expect("room");
-                m.complete_store(REQ, &ks, true);
-                if next % 3 == 0 {
-                    m.touch(&ks[..1]);
+            for touched in [true, false] {
+                for _ in 0..(2 * u64::from(SLOTS) / BATCH) {
+                    let ks = batch(next);
+                    next += BATCH;
+                    m.prepare_store(&ks).expect("room");
+                    m.complete_store(REQ, &ks, true);
+                    if touched {
+                        m.touch(&ks);
+                    }
                 }
             }
+            let lens = match m.primary().policy() {
+                kvtier_core::policy::Policy::Arc(a) => a.list_lens(),
+                _ => unreachable!("ARC configured"),
+            };
             let full = LIVE.load(Ordering::Relaxed);
             let per_slot = (full - before - keys) as f64 / f64::from(SLOTS);
             eprintln!(
-                "memory Arc with ghost lists full: {per_slot:.1} bytes per slot beyond the resident key bytes (ghost keys included)"
+                "memory Arc with both ghost lists full (T1 T2 B1 B2 = {lens:?}): {per_slot:.1} bytes of metadata per slot beyond {KEY_BYTES} key bytes"
             );
         }
         drop(m);

@@ -7,6 +7,9 @@ use alloc::vec::Vec;
 /// Most secondary tiers one manager may have (a block takes at most one cascade pin per tier).
 pub const MAX_TIERS: usize = 64;
 
+/// Most blocks a tier (primary or secondary) may have: ids, ARC ghosts included, use 30 bits.
+pub const MAX_BLOCKS: u32 = (1 << 29) - 2;
+
 /// Which eviction policy a tier uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PolicyKind {
@@ -133,8 +136,8 @@ impl Config {
         if self.num_blocks == 0 {
             return bad("num_blocks", "must be at least 1");
         }
-        if self.num_blocks == u32::MAX {
-            return bad("num_blocks", "must be below 4294967295");
+        if self.num_blocks > MAX_BLOCKS {
+            return bad("num_blocks", "must be at most 536870910");
         }
         if self.tiers.len() > MAX_TIERS {
             return bad("tiers", "at most 64 secondary tiers");
@@ -143,10 +146,10 @@ impl Config {
             if t.capacity_blocks == 0 {
                 return bad(&format!("tiers[{i}].capacity_blocks"), "must be at least 1");
             }
-            if t.capacity_blocks == u32::MAX {
+            if t.capacity_blocks > MAX_BLOCKS {
                 return bad(
                     &format!("tiers[{i}].capacity_blocks"),
-                    "must be below 4294967295",
+                    "must be at most 536870910",
                 );
             }
             if t.max_outstanding_stores == 0 {

@@ -39,7 +39,8 @@ mod table;
 mod tier;
 
 pub use config::{
-    Config, ConfigError, HealthConfig, MAX_TIERS, PolicyKind, ReuseFilter, TierConfig, TierKind,
+    Config, ConfigError, HealthConfig, MAX_BLOCKS, MAX_TIERS, PolicyKind, ReuseFilter, TierConfig,
+    TierKind,
 };
 pub use error::{Error, Violation};
 pub use event::{

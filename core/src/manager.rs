@@ -40,7 +40,17 @@ enum HealthState {
 #[derive(Clone, Debug)]
 struct Outstanding {
     job: Job,
+    /// Store and load jobs: the tier entry id of each block, in block order.
+    entries: Vec<u32>,
     reported: bool,
+}
+
+/// Promotions of one request from one tier, waiting for `end_step`.
+#[derive(Clone, Debug)]
+struct Batch {
+    tier: TierId,
+    blocks: Vec<Transfer>,
+    entries: Vec<u32>,
 }
 
 /// What one request did in the current step: its Hit answers (protected from its own
@@ -48,7 +58,7 @@ struct Outstanding {
 #[derive(Clone, Debug, Default)]
 struct RequestStep {
     hits: Vec<Transfer>,
-    batches: Vec<(TierId, Vec<Transfer>)>,
+    batches: Vec<Batch>,
 }
 
 /// Per-request state of the current step, in one place.
@@ -279,7 +289,7 @@ impl Manager {
                     self.tiers[t].stats.probes_skipped += 1; // bounded, like ★4
                 }
                 TierAnswer::Unknown => {
-                    let job = self.submit(id, JobKind::Exists { key: key.clone() });
+                    let job = self.submit(id, JobKind::Exists { key: key.clone() }, Vec::new());
                     let tier = &mut self.tiers[t];
                     tier.index.start_probe(key.clone(), job);
                     tier.stats.probes += 1;
@@ -315,16 +325,25 @@ impl Manager {
         self.stats.promotions_started += 1;
         let t = &mut self.tiers[tier.index()];
         t.stats.hits += 1;
-        t.index.start_read(key);
+        let entry = t.index.start_read(key);
         let transfer = Transfer {
             key: key.clone(),
             slot: slots[0],
         };
         let batches = &mut self.requests.get_mut(req).batches;
-        match batches.iter_mut().find(|(t, _)| *t == tier) {
-            Some((_, blocks)) => blocks.push(transfer),
-            None => batches.push((tier, alloc::vec![transfer])),
-        }
+        let batch = match batches.iter().position(|b| b.tier == tier) {
+            Some(i) => &mut batches[i],
+            None => {
+                batches.push(Batch {
+                    tier,
+                    blocks: Vec::new(),
+                    entries: Vec::new(),
+                });
+                batches.last_mut().expect("just pushed")
+            }
+        };
+        batch.blocks.push(transfer);
+        batch.entries.push(entry);
         tracing::debug!(%req, %key, %tier, slot = slots[0].0, "promotion started");
         Lookup::Retry
     }
@@ -396,6 +415,7 @@ impl Manager {
                 request: req,
                 blocks: plan.writes.into(),
             },
+            plan.entries,
         );
     }
 
@@ -436,13 +456,14 @@ impl Manager {
         let mut requests = core::mem::take(&mut self.requests);
         for req in requests.order.drain(..) {
             let step = requests.by_id.remove(&req).expect("ordered request exists");
-            for (tier, blocks) in step.batches {
+            for b in step.batches {
                 self.submit(
-                    tier,
+                    b.tier,
                     JobKind::Load {
                         request: req,
-                        blocks: blocks.into(),
+                        blocks: b.blocks.into(),
                     },
+                    b.entries,
                 );
             }
         }
@@ -450,7 +471,7 @@ impl Manager {
         for t in 0..self.tiers.len() {
             if let HealthState::Down { since } = self.tiers[t].health {
                 if self.step >= since + interval {
-                    let job = self.submit(TierId(t as u16), JobKind::Health);
+                    let job = self.submit(TierId(t as u16), JobKind::Health, Vec::new());
                     self.tiers[t].health = HealthState::Probing { job };
                     tracing::debug!(tier = t, %job, "health probe");
                 }
@@ -559,11 +580,11 @@ impl Manager {
         }
         let requests = core::mem::take(&mut self.requests);
         for step in requests.by_id.into_values() {
-            for (tier, blocks) in step.batches {
+            for b in step.batches {
                 self.primary
-                    .finish_promotions(blocks.iter().map(|b| (b.slot, false)));
-                for b in &blocks {
-                    self.tiers[tier.index()].index.end_read(&b.key, false, true);
+                    .finish_promotions(b.blocks.iter().map(|t| (t.slot, false)));
+                for &e in &b.entries {
+                    self.tiers[b.tier.index()].index.end_read(e, false, true);
                 }
             }
         }
@@ -578,7 +599,7 @@ impl Manager {
 
     // ----- internals --------------------------------------------------------------------
 
-    fn submit(&mut self, tier: TierId, kind: JobKind) -> JobId {
+    fn submit(&mut self, tier: TierId, kind: JobKind, entries: Vec<u32>) -> JobId {
         let id = JobId(self.next_job);
         self.next_job += 1;
         let job = Job { id, tier, kind };
@@ -588,6 +609,7 @@ impl Manager {
             id,
             Outstanding {
                 job,
+                entries,
                 reported: false,
             },
         );
@@ -607,7 +629,8 @@ impl Manager {
 
     /// J1–J5. `cancelled` (shutdown) skips health accounting, cooldowns and deletions.
     fn apply(&mut self, result: JobResult, cancelled: bool) {
-        let Outstanding { job, .. } = self.jobs.remove(&result.job).expect("validated job");
+        let Outstanding { job, entries, .. } =
+            self.jobs.remove(&result.job).expect("validated job");
         let mut succeeded: Vec<&Key> = match &result.outcome {
             Outcome::Partial { succeeded } => succeeded.iter().collect(),
             _ => Vec::new(),
@@ -626,10 +649,10 @@ impl Manager {
                 let tier = &mut self.tiers[tid.index()];
                 tier.stores_outstanding -= 1;
                 let mut stored = Vec::new();
-                for b in blocks.iter() {
+                for (b, &e) in blocks.iter().zip(&entries) {
                     self.primary.unpin_job(b.slot);
                     let ok = ok_of(&b.key);
-                    tier.index.finish_write(&b.key, ok);
+                    tier.index.finish_write(e, ok);
                     if ok {
                         stored.push(b.key.clone());
                     } else {
@@ -652,10 +675,10 @@ impl Manager {
                     .finish_promotions(blocks.iter().map(|b| (b.slot, ok_of(&b.key))));
                 self.primary.drain_events(&mut self.events);
                 let mut deletes = Vec::new();
-                for b in blocks.iter() {
+                for (b, &e) in blocks.iter().zip(&entries) {
                     let ok = ok_of(&b.key);
                     let tier = &mut self.tiers[tid.index()];
-                    if let Some(k) = tier.index.end_read(&b.key, ok, cancelled) {
+                    if let Some(k) = tier.index.end_read(e, ok, cancelled) {
                         deletes.push(k);
                     }
                     if ok {
@@ -754,16 +777,33 @@ impl Manager {
         let mut stores: Vec<u32> = alloc::vec![0; self.tiers.len()];
         let mut probes: Vec<BTreeMap<&Key, JobId>> = alloc::vec![BTreeMap::new(); self.tiers.len()];
         let mut health_jobs: BTreeMap<usize, JobId> = BTreeMap::new();
+        let mut promoted: Vec<(TierId, &Transfer)> = Vec::new();
         let batched = self.requests.by_id.values().flat_map(|r| {
             r.batches
                 .iter()
-                .flat_map(|(t, b)| b.iter().map(move |b| (*t, b)))
+                .map(|b| (b.tier, &b.blocks[..], &b.entries[..]))
         });
         let loads = self.jobs.values().filter_map(|o| match &o.job.kind {
-            JobKind::Load { blocks, .. } => Some(blocks.iter().map(move |b| (o.job.tier, b))),
+            JobKind::Load { blocks, .. } => Some((o.job.tier, &blocks[..], &o.entries[..])),
             _ => None,
         });
-        for (tier, b) in batched.chain(loads.flatten()) {
+        for (tier, blocks, entries) in batched.chain(loads) {
+            ensure!(
+                blocks.len() == entries.len(),
+                "I8",
+                "{tier}: a promotion's blocks and tier entries differ in number"
+            );
+            for (b, &entry) in blocks.iter().zip(entries) {
+                ensure!(
+                    self.tiers[tier.index()].index.key_of(entry) == Some(&b.key),
+                    "I8",
+                    "{tier}: promotion of {} reads entry {entry} of another block",
+                    b.key
+                );
+                promoted.push((tier, b));
+            }
+        }
+        for (tier, b) in promoted {
             // I5, I6: each Promoting slot belongs to exactly one promotion, with its key.
             ensure!(
                 promoting.insert(b.slot.0, &b.key).is_none(),
@@ -785,7 +825,22 @@ impl Manager {
             match &o.job.kind {
                 JobKind::Store { blocks, .. } => {
                     stores[t] += 1;
-                    for b in blocks.iter() {
+                    ensure!(
+                        o.entries.len() == blocks.len(),
+                        "I8",
+                        "{}: {} blocks, {} tier entries",
+                        o.job.id,
+                        blocks.len(),
+                        o.entries.len()
+                    );
+                    for (b, &e) in blocks.iter().zip(&o.entries) {
+                        ensure!(
+                            self.tiers[t].index.key_of(e) == Some(&b.key),
+                            "I8",
+                            "{} writes {} into entry {e} of another block",
+                            o.job.id,
+                            b.key
+                        );
                         ensure!(
                             self.primary.key_at(b.slot) == Some(&b.key),
                             "I6",
@@ -996,10 +1051,11 @@ mod tests {
             request: RequestId(1),
             blocks: Arc::from(alloc::vec![]),
         };
-        // The pins now lack their job (I4) before the tier's Writing entries are checked.
-        assert_eq!(violated(&m), "I4");
+        // The job's tier entries no longer match its blocks.
+        assert_eq!(violated(&m), "I8");
         let mut m = busy();
-        m.tiers[0].index.finish_write(&key(1), true);
+        let entry = m.jobs.values().next().unwrap().entries[0];
+        m.tiers[0].index.finish_write(entry, true);
         assert_eq!(violated(&m), "I8");
     }
 }

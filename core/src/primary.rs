@@ -52,6 +52,9 @@ const FREE_SLOT: Slot = Slot {
     load_pins: 0,
 };
 
+/// The primary's key index is sized once for `num_blocks` keys at most this full (percent).
+const PRIMARY_TABLE_LOAD: usize = 65;
+
 /// What `prepare_store` decided.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PreparedStore {
@@ -82,7 +85,7 @@ impl Primary {
         let n = num_blocks as usize;
         Primary {
             slots: alloc::vec![FREE_SLOT; n],
-            index: IdTable::with_capacity(n),
+            index: IdTable::with_capacity(n, PRIMARY_TABLE_LOAD),
             next_fresh: 0,
             free: Vec::new(),
             policy: Policy::new(policy, n),

@@ -32,19 +32,41 @@ fn tag_of(hash: u64) -> u32 {
 }
 
 /// Maps key hashes to ids; the owner resolves tag collisions by comparing keys.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct IdTable {
     buckets: Vec<Bucket>,
     len: usize,
+    /// Grow when more than this share (in percent) of the buckets would be used.
+    max_load: usize,
+}
+
+impl Default for IdTable {
+    fn default() -> Self {
+        IdTable {
+            buckets: Vec::new(),
+            len: 0,
+            max_load: 50,
+        }
+    }
 }
 
 impl IdTable {
-    /// A table that holds `n` ids without growing.
-    pub(crate) fn with_capacity(n: usize) -> Self {
-        let buckets = (n * 2).next_power_of_two().max(MIN_BUCKETS);
+    /// A table that holds `n` ids without growing, at most `max_load` percent full.
+    pub(crate) fn with_capacity(n: usize, max_load: usize) -> Self {
+        let buckets = (n * 100).div_ceil(max_load).max(MIN_BUCKETS);
         IdTable {
             buckets: alloc::vec![FREE; buckets],
             len: 0,
+            max_load,
+        }
+    }
+
+    /// An empty table that packs ids up to 80 % of its buckets: less memory at the cost of
+    /// longer probes (ARC's ghosts, which only steer `p`).
+    pub(crate) fn dense() -> Self {
+        IdTable {
+            max_load: 80,
+            ..IdTable::default()
         }
     }
 
@@ -52,8 +74,30 @@ impl IdTable {
         self.len
     }
 
-    fn mask(&self) -> usize {
-        self.buckets.len() - 1
+    /// The bucket where a tag's probe run starts: the tag scaled to the bucket count (no
+    /// power-of-two rounding, so a table can be sized to its load exactly).
+    #[inline]
+    fn home(&self, tag: u32) -> usize {
+        ((u64::from(tag) * self.buckets.len() as u64) >> 32) as usize
+    }
+
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.buckets.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// How far bucket `j` is past `from`, going forward and wrapping.
+    #[inline]
+    fn distance(&self, from: usize, j: usize) -> usize {
+        if j >= from {
+            j - from
+        } else {
+            j + self.buckets.len() - from
+        }
     }
 
     /// The id whose key has `hash` and for which `eq` answers true.
@@ -63,8 +107,7 @@ impl IdTable {
             return None;
         }
         let tag = tag_of(hash);
-        let mask = self.mask();
-        let mut i = tag as usize & mask;
+        let mut i = self.home(tag);
         loop {
             let b = self.buckets[i];
             if b.id == EMPTY {
@@ -73,14 +116,14 @@ impl IdTable {
             if b.tag == tag && eq(b.id) {
                 return Some(b.id);
             }
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
     }
 
     /// Adds `id` under `hash`; the caller knows its key is not in the table.
     pub(crate) fn insert(&mut self, hash: u64, id: u32) {
         debug_assert_ne!(id, EMPTY);
-        if (self.len + 1) * 2 > self.buckets.len() {
+        if (self.len + 1) * 100 > self.buckets.len() * self.max_load {
             self.grow();
         }
         self.place(Bucket {
@@ -91,10 +134,9 @@ impl IdTable {
     }
 
     fn place(&mut self, b: Bucket) {
-        let mask = self.mask();
-        let mut i = b.tag as usize & mask;
+        let mut i = self.home(b.tag);
         while self.buckets[i].id != EMPTY {
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
         self.buckets[i] = b;
     }
@@ -114,9 +156,7 @@ impl IdTable {
         if self.len == 0 {
             return false;
         }
-        let tag = tag_of(hash);
-        let mask = self.mask();
-        let mut hole = tag as usize & mask;
+        let mut hole = self.home(tag_of(hash));
         loop {
             let b = self.buckets[hole];
             if b.id == EMPTY {
@@ -125,19 +165,19 @@ impl IdTable {
             if b.id == id {
                 break;
             }
-            hole = (hole + 1) & mask;
+            hole = self.next(hole);
         }
         // Backward shift: pull later members of the probe run into the hole when the hole
         // lies between their home bucket and where they sit.
         let mut j = hole;
         loop {
-            j = (j + 1) & mask;
+            j = self.next(j);
             let b = self.buckets[j];
             if b.id == EMPTY {
                 break;
             }
-            let home = b.tag as usize & mask;
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+            let home = self.home(b.tag);
+            if self.distance(home, j) >= self.distance(hole, j) {
                 self.buckets[hole] = b;
                 hole = j;
             }
@@ -161,7 +201,13 @@ mod tests {
     /// The table against a BTreeMap under random inserts and removes, with colliding tags.
     #[test]
     fn behaves_as_a_map() {
-        let mut t = IdTable::default();
+        behaves_as_a_map_with(IdTable::default());
+        behaves_as_a_map_with(IdTable::dense());
+        behaves_as_a_map_with(IdTable::with_capacity(300, 50));
+        behaves_as_a_map_with(IdTable::with_capacity(300, 80));
+    }
+
+    fn behaves_as_a_map_with(mut t: IdTable) {
         let mut reference: BTreeMap<u32, u64> = BTreeMap::new();
         let mut x = 0x1234_5678_9abc_def1u64;
         for _ in 0..20_000 {

@@ -51,6 +51,8 @@ struct Entry {
 pub(crate) struct StorePlan {
     /// Blocks to write, in offered order; now Writing.
     pub(crate) writes: Vec<Transfer>,
+    /// Their entry ids, in the same order.
+    pub(crate) entries: Vec<u32>,
     /// Blocks evicted for room; the IO layer deletes them.
     pub(crate) evicted: Vec<Key>,
     /// Blocks skipped because the tier already holds or writes them.
@@ -177,8 +179,8 @@ impl TierIndex {
         }
     }
 
-    /// Inserts `key` in `state`; the caller made room.
-    fn insert(&mut self, key: Key, state: EntryState) {
+    /// Inserts `key` in `state`; the caller made room. Returns its entry id.
+    fn insert(&mut self, key: Key, state: EntryState) -> u32 {
         let id = match self.free_ids.pop() {
             Some(id) => id,
             None => {
@@ -190,6 +192,12 @@ impl TierIndex {
         self.index.insert(hash(&key), id);
         self.known_absent.remove(&key);
         self.entries[id as usize] = Some(Entry { key, state });
+        id
+    }
+
+    /// The key of entry `id`, if live.
+    pub(crate) fn key_of(&self, id: u32) -> Option<&Key> {
+        self.entries.get(id as usize)?.as_ref().map(|e| &e.key)
     }
 
     /// Removes `key`'s entry; `evicted` keeps an ARC ghost.
@@ -267,7 +275,8 @@ impl TierIndex {
         let writable = to_write.len().min(self.room());
         plan.full = to_write.len() - writable;
         for b in to_write.into_iter().take(writable) {
-            self.insert(b.key.clone(), EntryState::Writing);
+            plan.entries
+                .push(self.insert(b.key.clone(), EntryState::Writing));
             plan.writes.push(b.clone());
         }
         tracing::debug!(
@@ -280,9 +289,8 @@ impl TierIndex {
         plan
     }
 
-    /// T8–T9: a write ended.
-    pub(crate) fn finish_write(&mut self, key: &Key, ok: bool) {
-        let id = self.find(key).expect("I8: a written block is indexed");
+    /// T8–T9: the write of entry `id` ended.
+    pub(crate) fn finish_write(&mut self, id: u32, ok: bool) {
         debug_assert_eq!(self.entry(id).state, EntryState::Writing, "I8");
         if ok {
             self.entry_mut(id).state = EntryState::Present { readers: 0 };
@@ -291,19 +299,19 @@ impl TierIndex {
         }
     }
 
-    /// T10: a promotion starts reading `key`.
-    pub(crate) fn start_read(&mut self, key: &Key) {
+    /// T10: a promotion starts reading `key`; returns its entry id.
+    pub(crate) fn start_read(&mut self, key: &Key) -> u32 {
         let id = self.find(key).expect("T10: a read block is indexed");
         match &mut self.entry_mut(id).state {
             EntryState::Present { readers } => *readers += 1,
             EntryState::Writing => unreachable!("T10: only Present blocks are read"),
         }
+        id
     }
 
     /// T11: a read ended. A failed read drops the block; returns the key to delete when the
     /// tier is authoritative. A cancelled read (shutdown) only releases the reader.
-    pub(crate) fn end_read(&mut self, key: &Key, ok: bool, cancelled: bool) -> Option<Key> {
-        let id = self.find(key).expect("I8: a read block is indexed");
+    pub(crate) fn end_read(&mut self, id: u32, ok: bool, cancelled: bool) -> Option<Key> {
         let EntryState::Present { readers } = &mut self.entry_mut(id).state else {
             unreachable!("I8: a read block is Present");
         };

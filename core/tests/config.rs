@@ -26,7 +26,10 @@ fn invalid_fields_are_named() {
 
     let cases: Vec<(&str, Breaker)> = vec![
         ("num_blocks", Box::new(|c| c.num_blocks = 0)),
-        ("num_blocks", Box::new(|c| c.num_blocks = u32::MAX)),
+        (
+            "num_blocks",
+            Box::new(|c| c.num_blocks = kvtier_core::MAX_BLOCKS + 1),
+        ),
         (
             "tiers[1].capacity_blocks",
             Box::new(|c| c.tiers[1].capacity_blocks = 0),

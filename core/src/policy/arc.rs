@@ -13,10 +13,14 @@ const T2: usize = 1;
 const B1: usize = 0;
 const B2: usize = 1;
 
-/// ARC over resident ids with ghost lists of keys.
+/// ARC over resident ids with ghost lists.
 ///
-/// T1 holds blocks seen once, T2 blocks touched again while Ready; B1 and B2 remember the keys
-/// evicted from each. `p` (the target size of T1) adapts only when a ghost is touched.
+/// T1 holds blocks seen once, T2 blocks touched again while Ready; B1 and B2 remember the
+/// blocks evicted from each. `p` (the target size of T1) adapts only when a ghost is touched.
+///
+/// A ghost remembers its key's fixed 64-bit hash, not its bytes: ghosts only steer `p`, so the
+/// chance of two keys sharing a hash (about n²/2⁶⁵ for n keys) can at worst nudge `p`, never
+/// serve a block; and an evicted block's bytes are freed at once instead of lingering in B1/B2.
 #[derive(Clone, Debug)]
 pub struct ArcPolicy {
     capacity: usize,
@@ -25,41 +29,38 @@ pub struct ArcPolicy {
     ghosts: Ghosts,
 }
 
-/// Ghost lists B1 and B2: keys only, each bounded by the capacity.
-#[derive(Clone, Debug, Default)]
+/// Ghost lists B1 and B2 of key hashes, each bounded by the capacity.
+#[derive(Clone, Debug)]
 struct Ghosts {
-    keys: Vec<Option<Key>>,
+    hashes: Vec<u64>,
     free: Vec<u32>,
-    by_key: IdTable,
+    by_hash: IdTable,
     lists: Lists<2>,
 }
 
 impl Ghosts {
-    fn push(&mut self, list: usize, key: Key) {
+    fn push(&mut self, list: usize, h: u64) {
         let id = match self.free.pop() {
             Some(id) => {
-                self.keys[id as usize] = Some(key.clone());
+                self.hashes[id as usize] = h;
                 id
             }
             None => {
-                self.keys.push(Some(key.clone()));
-                (self.keys.len() - 1) as u32
+                self.hashes.push(h);
+                (self.hashes.len() - 1) as u32
             }
         };
-        self.by_key.insert(hash(&key), id);
+        self.by_hash.insert(h, id);
         self.lists.push_back(list, id);
     }
 
-    fn find(&self, key: &Key) -> Option<u32> {
-        self.by_key
-            .find(hash(key), |g| self.keys[g as usize].as_ref() == Some(key))
+    fn find(&self, h: u64) -> Option<u32> {
+        self.by_hash.find(h, |g| self.hashes[g as usize] == h)
     }
 
     fn remove(&mut self, id: u32) {
         self.lists.remove(id);
-        if let Some(key) = self.keys[id as usize].take() {
-            self.by_key.remove(hash(&key), id);
-        }
+        self.by_hash.remove(self.hashes[id as usize], id);
         self.free.push(id);
     }
 
@@ -74,11 +75,19 @@ impl Ghosts {
 impl ArcPolicy {
     /// An empty ARC for `capacity` resident entries; `p` starts at 0.
     pub fn new(capacity: usize) -> Self {
+        let ghost_reserve = (2 * capacity + 1).min(1 << 20);
         ArcPolicy {
             capacity,
             p: 0.0,
             resident: Lists::with_capacity(capacity),
-            ghosts: Ghosts::default(),
+            ghosts: Ghosts {
+                // B1 and B2 hold at most `capacity` each (one more while trimming). Reserve
+                // that much up front, up to a million, rather than let doubling overshoot.
+                hashes: Vec::with_capacity(ghost_reserve),
+                free: Vec::new(),
+                by_hash: IdTable::dense(),
+                lists: Lists::with_capacity(ghost_reserve),
+            },
         }
     }
 
@@ -117,7 +126,7 @@ impl EvictionPolicy for ArcPolicy {
     fn insert(&mut self, id: u32, key: &Key) {
         // A1: append to T1, forget the key's ghost, no adaptation.
         self.resident.push_back(T1, id);
-        if let Some(g) = self.ghosts.find(key) {
+        if let Some(g) = self.ghosts.find(hash(key)) {
             self.ghosts.remove(g);
         }
     }
@@ -137,7 +146,7 @@ impl EvictionPolicy for ArcPolicy {
             return;
         }
         // A5: a ghost adapts p and moves to its list's end.
-        let Some(g) = self.ghosts.find(key) else {
+        let Some(g) = self.ghosts.find(hash(key)) else {
             return;
         };
         let b1 = self.ghosts.lists.len(B1) as f64;
@@ -179,7 +188,7 @@ impl EvictionPolicy for ArcPolicy {
             Some(_) => B2,
             None => return,
         };
-        self.ghosts.push(ghost_list, key);
+        self.ghosts.push(ghost_list, hash(&key));
         self.ghosts.trim(ghost_list, self.capacity);
     }
 
@@ -203,18 +212,18 @@ impl EvictionPolicy for ArcPolicy {
             }
         }
         let ghosts = self.ghosts.lists.len(B1) + self.ghosts.lists.len(B2);
-        if self.ghosts.by_key.len() != ghosts {
+        if self.ghosts.by_hash.len() != ghosts {
             return Err(format!(
-                "{} ghost keys indexed but {ghosts} linked",
-                self.ghosts.by_key.len()
+                "{} ghosts indexed but {ghosts} linked",
+                self.ghosts.by_hash.len()
             ));
         }
-        for g in self.ghosts.by_key.ids() {
-            let Some(key) = &self.ghosts.keys[g as usize] else {
-                return Err(format!("ghost {g} is indexed but holds no key"));
-            };
-            if self.ghosts.find(key) != Some(g) {
-                return Err(format!("ghost {g} is not found by its key {key}"));
+        for g in self.ghosts.by_hash.ids() {
+            if self.ghosts.lists.list_of(g).is_none() {
+                return Err(format!("ghost {g} is indexed but in no list"));
+            }
+            if self.ghosts.find(self.ghosts.hashes[g as usize]) != Some(g) {
+                return Err(format!("ghost {g} is not found by its hash"));
             }
         }
         Ok(())
@@ -224,6 +233,6 @@ impl EvictionPolicy for ArcPolicy {
 impl ArcPolicy {
     /// Whether `key` is remembered in a ghost list (used to check I7: ghosts are not resident).
     pub(crate) fn is_ghost(&self, key: &Key) -> bool {
-        self.ghosts.find(key).is_some()
+        self.ghosts.find(hash(key)).is_some()
     }
 }

@@ -5,20 +5,41 @@
 
 use alloc::vec::Vec;
 
-pub(crate) const NIL: u32 = u32::MAX;
-const NONE: u8 = u8::MAX;
+/// The largest id a list can hold, plus one (ids use 30 bits; 2 bits name the list).
+pub(crate) const MAX_IDS: u32 = (1 << 30) - 1;
+const NIL: u32 = MAX_IDS;
+const ID_MASK: u32 = (1 << 30) - 1;
+const NONE: u32 = 3;
 
+/// `prev` and `next` ids of one entry, 8 bytes: the top two bits of `prev_list` name the list
+/// that holds the entry (3 = none).
 #[derive(Clone, Copy, Debug)]
 struct Link {
-    prev: u32,
+    prev_list: u32,
     next: u32,
-    list: u8,
+}
+
+impl Link {
+    fn prev(self) -> u32 {
+        self.prev_list & ID_MASK
+    }
+    fn list(self) -> u32 {
+        self.prev_list >> 30
+    }
+    fn new(prev: u32, next: u32, list: u32) -> Self {
+        Link {
+            prev_list: (list << 30) | prev,
+            next,
+        }
+    }
+    fn set_prev(&mut self, prev: u32) {
+        self.prev_list = (self.prev_list & !ID_MASK) | prev;
+    }
 }
 
 const UNLINKED: Link = Link {
-    prev: NIL,
+    prev_list: (NONE << 30) | NIL,
     next: NIL,
-    list: NONE,
 };
 
 #[derive(Clone, Debug)]
@@ -52,7 +73,7 @@ impl<const N: usize> Lists<N> {
     /// The list that holds `id`, if any.
     pub(crate) fn list_of(&self, id: u32) -> Option<usize> {
         match self.links.get(id as usize) {
-            Some(l) if l.list != NONE => Some(usize::from(l.list)),
+            Some(l) if l.list() != NONE => Some(l.list() as usize),
             _ => None,
         }
     }
@@ -74,13 +95,10 @@ impl<const N: usize> Lists<N> {
         if i >= self.links.len() {
             self.links.resize(i + 1, UNLINKED);
         }
-        debug_assert_eq!(self.links[i].list, NONE, "id {id} linked twice");
+        debug_assert!(id < NIL, "id {id} beyond the list's range");
+        debug_assert_eq!(self.links[i].list(), NONE, "id {id} linked twice");
         let tail = self.tail[list];
-        self.links[i] = Link {
-            prev: tail,
-            next: NIL,
-            list: list as u8,
-        };
+        self.links[i] = Link::new(tail, NIL, list as u32);
         if tail == NIL {
             self.head[list] = id;
         } else {
@@ -93,7 +111,8 @@ impl<const N: usize> Lists<N> {
     /// Unlinks `id` from whatever list holds it; returns that list.
     pub(crate) fn remove(&mut self, id: u32) -> Option<usize> {
         let list = self.list_of(id)?;
-        let Link { prev, next, .. } = self.links[id as usize];
+        let link = self.links[id as usize];
+        let (prev, next) = (link.prev(), link.next);
         if prev == NIL {
             self.head[list] = next;
         } else {
@@ -102,7 +121,7 @@ impl<const N: usize> Lists<N> {
         if next == NIL {
             self.tail[list] = prev;
         } else {
-            self.links[next as usize].prev = prev;
+            self.links[next as usize].set_prev(prev);
         }
         self.links[id as usize] = UNLINKED;
         self.len[list] -= 1;
@@ -131,7 +150,7 @@ impl<const N: usize> Lists<N> {
             let mut count = 0;
             for id in self.iter(list) {
                 let l = self.links[id as usize];
-                if l.prev != prev || usize::from(l.list) != list {
+                if l.prev() != prev || l.list() as usize != list {
                     return Err(alloc::format!("list {list}: broken link at id {id}"));
                 }
                 prev = id;
@@ -145,7 +164,7 @@ impl<const N: usize> Lists<N> {
             }
             seen += count;
         }
-        let linked = self.links.iter().filter(|l| l.list != NONE).count();
+        let linked = self.links.iter().filter(|l| l.list() != NONE).count();
         if linked != seen {
             return Err(alloc::format!("{linked} ids linked but {seen} reachable"));
         }
