@@ -9,17 +9,52 @@
 //! the tests that check it. [`Manager::check_invariants`] checks every invariant by id and runs
 //! after every operation in debug builds.
 //!
-//! ```
-//! use kvtier_core::{Config, Key, Lookup, Manager, RequestId};
+//! A primary of 4 slots and one local file tier, driven by hand (the IO layer's part is
+//! played by the loop that answers every job):
 //!
-//! let mut m = Manager::new(Config::new(4)).unwrap();
+//! ```
+//! use kvtier_core::{
+//!     Config, Effect, JobResult, Key, Lookup, Manager, Outcome, RequestId, TierConfig, TierKind,
+//! };
+//!
+//! let mut config = Config::new(4);
+//! config.tiers = vec![TierConfig::new(TierKind::Authoritative, 64)];
+//! let mut m = Manager::new(config)?;
 //! let req = RequestId(1);
-//! let key = Key::from(*b"block-0");
+//! let key = Key::new(b"block-0");
+//!
+//! // Step 0: a miss; the engine stores the block, which cascades to the tier.
 //! assert_eq!(m.lookup(req, &key), Lookup::Miss);
-//! let prepared = m.prepare_store(&[key.clone()]).unwrap();
-//! assert_eq!(prepared.slots[0].0, 0);
+//! let prepared = m.prepare_store(&[key.clone()])?;
+//! assert_eq!(prepared.slots[0].0, 0); // copy GPU -> slot 0, then:
 //! m.complete_store(req, &[key.clone()], true);
+//! let answer_all = |m: &mut Manager| {
+//!     while let Some(effect) = m.poll_effect() {
+//!         if let Effect::Submit(job) = effect {
+//!             let done = JobResult { job: job.id, outcome: Outcome::Ok };
+//!             m.handle_job_result(done).unwrap();
+//!         }
+//!     }
+//! };
+//! answer_all(&mut m);
+//! m.end_step();
+//!
+//! // Step 1: four other blocks push it out of the primary; the tier still has it.
+//! let others: Vec<Key> = (1..=4u8).map(|i| Key::new(&[i])).collect();
+//! m.prepare_store(&others)?;
+//! m.complete_store(req, &others, true);
+//! answer_all(&mut m); // their cascades (pinned until their results are collected)
+//! m.end_step();
+//!
+//! // Step 2: the lookup collects those results, then starts a promotion from the tier.
+//! assert_eq!(m.lookup(req, &key), Lookup::Retry);
+//! m.end_step(); // the load job is submitted...
+//! answer_all(&mut m); // ...and done
+//! m.end_step(); // step 3 had no lookup: end_step collects the result
+//!
+//! // Step 4: the promoted block is Ready again.
 //! assert_eq!(m.lookup(req, &key), Lookup::Hit);
+//! # Ok::<(), Box<dyn core::error::Error>>(())
 //! ```
 
 #![no_std]

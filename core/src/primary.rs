@@ -373,6 +373,7 @@ impl Primary {
 
     /// P15: recency update, walking the keys last to first.
     pub fn touch(&mut self, keys: &[Key]) {
+        tracing::debug!(count = keys.len(), "primary touch");
         for key in keys.iter().rev() {
             let resident = self
                 .find(key)
