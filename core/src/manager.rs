@@ -578,8 +578,9 @@ impl Manager {
                 true,
             );
         }
-        let requests = core::mem::take(&mut self.requests);
-        for step in requests.by_id.into_values() {
+        let mut requests = core::mem::take(&mut self.requests);
+        for req in &requests.order {
+            let step = requests.by_id.remove(req).expect("ordered request exists");
             for b in step.batches {
                 self.primary
                     .finish_promotions(b.blocks.iter().map(|t| (t.slot, false)));

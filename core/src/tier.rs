@@ -354,9 +354,13 @@ impl TierIndex {
                 let until = step + self.absent_ttl;
                 self.known_absent.insert(key.clone(), until);
                 self.absent_expiry.push_back((until, key.clone()));
+                // Bounded: forget the oldest answers first. The queue may hold stale entries
+                // (a key answered again, or written since); those are skipped.
                 while self.known_absent.len() > self.capacity as usize {
-                    let (_, old) = self.absent_expiry.pop_front().expect("bounded by entries");
-                    self.known_absent.remove(&old);
+                    let (until, old) = self.absent_expiry.pop_front().expect("bounded by entries");
+                    if self.known_absent.get(&old) == Some(&until) {
+                        self.known_absent.remove(&old);
+                    }
                 }
                 Vec::new()
             }

@@ -1,0 +1,1 @@
+//! The stateright model (placeholder filled in below).
