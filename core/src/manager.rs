@@ -57,7 +57,7 @@ struct Batch {
 /// promotions, rule ★8) and its promotions waiting for `end_step`.
 #[derive(Clone, Debug, Default)]
 struct RequestStep {
-    hits: Vec<Transfer>,
+    hits: Vec<Key>,
     batches: Vec<Batch>,
 }
 
@@ -221,6 +221,11 @@ impl Manager {
         self.jobs.values().map(|o| &o.job)
     }
 
+    /// Whether a result for `job` was handed in (and waits for the next collection).
+    pub fn is_reported(&self, job: JobId) -> bool {
+        self.jobs.get(&job).is_some_and(|o| o.reported)
+    }
+
     /// Whether `shutdown` was called.
     pub fn is_closed(&self) -> bool {
         self.closed
@@ -250,12 +255,9 @@ impl Manager {
         self.collect_once();
         self.stats.lookups += 1;
         let answer = match self.primary.lookup_slot(key) {
-            (Lookup::Hit, Some(slot)) => {
+            (Lookup::Hit, _) => {
                 self.stats.hits += 1;
-                self.requests.get_mut(req).hits.push(Transfer {
-                    key: key.clone(),
-                    slot,
-                });
+                self.requests.get_mut(req).hits.push(key.clone());
                 Lookup::Hit
             }
             (Lookup::Miss, _) => self.lookup_tiers(req, key),
@@ -303,13 +305,13 @@ impl Manager {
     /// M4: prepare a Promoting slot for `key` from `tier`, never evicting `req`'s own hits.
     fn start_promotion(&mut self, req: RequestId, tier: TierId, key: &Key) -> Lookup {
         let step = self.requests.get_mut(req);
-        // ★8: protect the blocks this request was answered Hit for in this step, as long as
-        // their slot still holds them.
+        // ★8: protect the blocks this request was answered Hit for in this step, wherever they
+        // are now (a hit block evicted by a store and stored again is the same block).
         let mut protected: Vec<u32> = step
             .hits
             .iter()
-            .filter(|h| self.primary.key_at(h.slot) == Some(&h.key))
-            .map(|h| h.slot.0)
+            .filter(|_| !cfg!(kvtier_mutant = "no_hit_protection"))
+            .filter_map(|k| self.primary.state_of(k).map(|(slot, _)| slot.0))
             .collect();
         protected.sort_unstable();
         let admitted =
@@ -406,7 +408,9 @@ impl Manager {
         tier.stats.cascades_submitted += 1;
         tier.stats.blocks_cascaded += plan.writes.len() as u64;
         for w in &plan.writes {
-            self.primary.pin_job(w.slot);
+            if !cfg!(kvtier_mutant = "reuse_slot_early") {
+                self.primary.pin_job(w.slot);
+            }
         }
         self.stats.job_pins += plan.writes.len() as u64;
         self.submit(
@@ -454,6 +458,12 @@ impl Manager {
     pub fn end_step(&mut self) {
         self.collect_once();
         let mut requests = core::mem::take(&mut self.requests);
+        if cfg!(kvtier_mutant = "stall_batches") {
+            // Promotions stay batched forever.
+            requests.by_id.values_mut().for_each(|s| s.hits.clear());
+            self.requests = requests;
+            requests = Requests::default();
+        }
         for req in requests.order.drain(..) {
             let step = requests.by_id.remove(&req).expect("ordered request exists");
             for b in step.batches {
@@ -619,7 +629,7 @@ impl Manager {
 
     /// M1: apply every received result, at most once per step.
     fn collect_once(&mut self) {
-        if self.collected {
+        if self.collected && !cfg!(kvtier_mutant = "no_step_gate") {
             return;
         }
         self.collected = true;
@@ -651,8 +661,10 @@ impl Manager {
                 tier.stores_outstanding -= 1;
                 let mut stored = Vec::new();
                 for (b, &e) in blocks.iter().zip(&entries) {
-                    self.primary.unpin_job(b.slot);
                     let ok = ok_of(&b.key);
+                    if ok || !cfg!(kvtier_mutant = "keep_pin_on_failure") {
+                        self.primary.unpin_job(b.slot);
+                    }
                     tier.index.finish_write(e, ok);
                     if ok {
                         stored.push(b.key.clone());
@@ -690,7 +702,9 @@ impl Manager {
                         failed = true;
                         if !cancelled {
                             let until = self.step + u64::from(self.config.promotion_cooldown_steps);
-                            self.cooldowns.start(tid, b.key.clone(), until); // ★2
+                            if !cfg!(kvtier_mutant = "no_cooldown") {
+                                self.cooldowns.start(tid, b.key.clone(), until); // ★2
+                            }
                         }
                     }
                 }
@@ -757,6 +771,75 @@ impl Manager {
         } else {
             tier.failures = 0;
         }
+    }
+
+    /// An encoding of every behaviour-relevant part of the state, for model checkers that
+    /// deduplicate states: job ids are renamed by rank, times are relative to the current step,
+    /// tier entries and ghosts are named by key, and the counters of [`Stats`] are left out.
+    /// Two managers of one configuration with equal encodings answer every future sequence of
+    /// calls alike, up to a constant offset of job ids and steps.
+    pub fn canonical_state(&self) -> alloc::string::String {
+        use core::fmt::Write;
+        let ids: Vec<JobId> = self.jobs.keys().copied().collect();
+        let rank = |j: JobId| ids.binary_search(&j).unwrap_or(usize::MAX);
+        let step = self.step;
+        let mut out = alloc::string::String::new();
+        self.primary.write_canonical(&mut out);
+        for (i, t) in self.tiers.iter().enumerate() {
+            let health = match t.health {
+                HealthState::Up => alloc::string::String::from("up"),
+                HealthState::Down { since } => {
+                    // Only the wait left until the probe matters.
+                    let interval = u64::from(self.config.health.probe_interval_steps);
+                    alloc::format!("down-{}", (since + interval).saturating_sub(step))
+                }
+                HealthState::Probing { job } => alloc::format!("probing@{}", rank(job)),
+                HealthState::Closed => alloc::string::String::from("closed"),
+            };
+            let _ = write!(
+                out,
+                " tier{i}[{health} f={} st={} ",
+                t.failures, t.stores_outstanding
+            );
+            t.index.write_canonical(&mut out, &rank, step);
+            out.push(']');
+        }
+        for (r, o) in self.jobs.values().enumerate() {
+            let _ = write!(
+                out,
+                " job{r}[{} {:?} {:?} {}]",
+                o.job.tier.0,
+                o.job.kind,
+                o.entries.len(),
+                o.reported
+            );
+        }
+        for r in &self.inbox {
+            let _ = write!(out, " result@{}={:?}", rank(r.job), r.outcome);
+        }
+        for req in &self.requests.order {
+            let s = &self.requests.by_id[req];
+            // Hits are a set: a block looked up twice protects no more than once.
+            let mut hits: Vec<&Key> = s.hits.iter().collect();
+            hits.sort_unstable();
+            hits.dedup();
+            let _ = write!(out, " {req}[hits {hits:?}");
+            for b in &s.batches {
+                let _ = write!(out, " {}:{:?}", b.tier.0, b.blocks);
+            }
+            out.push(']');
+        }
+        for ((t, k), until) in &self.cooldowns.until {
+            if *until > step {
+                let _ = write!(out, " cool{}:{k}+{}", t.0, until - step);
+            }
+        }
+        let _ = write!(
+            out,
+            " collected={} closed={} effects={:?} events={:?}",
+            self.collected, self.closed, self.effects, self.events
+        );
+        out
     }
 
     #[inline]

@@ -4,6 +4,7 @@
 //! events. The [`Manager`](crate::Manager) adds promotion (the Promoting state) and cascade pins.
 
 use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::string::String;
 use alloc::vec::Vec;
 
 use crate::config::{PolicyKind, ReuseFilter};
@@ -179,6 +180,9 @@ impl Primary {
             None => (Lookup::Miss, None),
             Some(s) => match self.slots[s as usize].state {
                 SlotState::Ready => (Lookup::Hit, Some(SlotId(s))),
+                SlotState::Promoting if cfg!(kvtier_mutant = "hit_pending") => {
+                    (Lookup::Hit, Some(SlotId(s)))
+                }
                 _ => (Lookup::Retry, None),
             },
         }
@@ -233,7 +237,7 @@ impl Primary {
                     let s = &slots[id as usize];
                     s.state == SlotState::Ready
                         && s.load_pins == 0
-                        && s.job_pins == 0
+                        && (s.job_pins == 0 || cfg!(kvtier_mutant = "evict_pinned"))
                         && protected.binary_search(&id).is_err()
                 },
                 &mut victims,
@@ -363,6 +367,9 @@ impl Primary {
                         let s = self.find(done).expect("unpinned above");
                         self.slots[s as usize].load_pins += 1;
                     }
+                    if cfg!(kvtier_mutant = "refusal_touches") {
+                        self.touch(core::slice::from_ref(key));
+                    }
                     return Err(Error::NotPinned { key: key.clone() });
                 }
             }
@@ -412,7 +419,7 @@ impl Primary {
         for (slot, ok) in blocks {
             let s = slot.index();
             debug_assert_eq!(self.slots[s].state, SlotState::Promoting, "I5");
-            if ok {
+            if ok || cfg!(kvtier_mutant = "ready_failed_load") {
                 self.slots[s].state = SlotState::Ready;
                 stored.push(
                     self.slots[s]
@@ -444,6 +451,31 @@ impl Primary {
             let (_, state) = self.state_of(key)?;
             Some((SlotId(i as u32), key, state))
         })
+    }
+
+    /// See `Manager::canonical_state`.
+    pub(crate) fn write_canonical(&self, out: &mut String) {
+        use core::fmt::Write;
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(k) = &s.key {
+                let _ = write!(
+                    out,
+                    "s{i}={k}:{:?}:{}:{};",
+                    s.state, s.load_pins, s.job_pins
+                );
+            }
+        }
+        let _ = write!(out, "fresh={} free={:?} ", self.next_fresh, self.free);
+        let name = |s: u32| alloc::format!("{}", SlotId(s).0);
+        self.policy.write_canonical(out, &name);
+        if let Some(r) = &self.reuse {
+            out.push_str(" seen[");
+            for key in r.by_age.values() {
+                let _ = write!(out, "{key}x{},", r.counts[key].0);
+            }
+            out.push(']');
+        }
+        let _ = write!(out, " events={:?};", self.events);
     }
 
     /// I1, I2, I3, I7 for the primary tier.

@@ -6,6 +6,7 @@
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::format;
+use alloc::string::String;
 use alloc::vec::Vec;
 
 use crate::config::{TierConfig, TierKind};
@@ -432,6 +433,42 @@ impl TierIndex {
     /// Probes in flight (for I10).
     pub(crate) fn probes(&self) -> impl Iterator<Item = (&Key, JobId)> + '_ {
         self.probing.iter().map(|(k, &j)| (k, j))
+    }
+
+    /// See `Manager::canonical_state`; `rank` renames job ids, `step` makes times relative.
+    pub(crate) fn write_canonical(
+        &self,
+        out: &mut String,
+        rank: &dyn Fn(JobId) -> usize,
+        step: u64,
+    ) {
+        use core::fmt::Write;
+        let mut held: Vec<(&Key, EntryState)> = self
+            .entries
+            .iter()
+            .flatten()
+            .map(|e| (&e.key, e.state))
+            .collect();
+        held.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (k, s) in held {
+            let _ = write!(out, "{k}:{s:?};");
+        }
+        let name = |id: u32| match self.key_of(id) {
+            Some(k) => alloc::format!("{k}"),
+            None => alloc::string::String::from("?"),
+        };
+        self.policy.write_canonical(out, &name);
+        out.push_str(" probing[");
+        for (k, j) in &self.probing {
+            let _ = write!(out, "{k}@{},", rank(*j));
+        }
+        out.push_str("] absent[");
+        for (until, k) in &self.absent_expiry {
+            if self.known_absent.get(k) == Some(until) && *until > step {
+                let _ = write!(out, "{k}+{},", until - step);
+            }
+        }
+        out.push(']');
     }
 
     /// I7 and I8 for this index alone.

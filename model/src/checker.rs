@@ -1,1 +1,491 @@
-//! The stateright model (placeholder filled in below).
+//! The stateright model: the **real** core plus the jobs it owes, explored breadth-first.
+//!
+//! Actions are the engine's calls (lookups, stores that succeed or fail, loads and their
+//! release, touches, the end of a step, shutdown, deliberately invalid calls) and the end of any
+//! outstanding job in any order, succeeding, failing or partly succeeding. States are
+//! deduplicated by [`Manager::canonical_state`] plus the model's own shadow of which data each
+//! slot holds, so the exploration is finite.
+//!
+//! Properties (see `docs/verification.md`):
+//! - always: `check_invariants` holds; no block is evicted while pinned, in use by a job,
+//!   Pending, Promoting or protected as its request's hit; no slot named by an outstanding job
+//!   holds another block; a lookup never answers Hit for a block whose data was not fully
+//!   written into its slot; refused calls change nothing; from every state, ending every
+//!   outstanding job and the step settles (no Pending, Promoting, cascade pins or jobs left).
+//! - sometimes: a promotion completes; an eviction happens; a tier goes Down and comes back.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{Hash, Hasher};
+
+use kvtier_core::{
+    BlockState, Config, Effect, EntryState, EventKind, Job, JobKind, JobResult, Key, Lookup,
+    Manager, Medium, Outcome, RequestId, SlotId, TierConfig, TierKind,
+};
+use stateright::{Model, Property};
+
+/// The model: a configuration and the alphabet's size.
+#[derive(Clone, Debug)]
+pub struct TieringModel {
+    /// The core's configuration (events must be on: evictions are observed through them).
+    pub config: Config,
+    /// Keys `0..keys`.
+    pub keys: u8,
+    /// Requests `0..requests`.
+    pub requests: u8,
+    /// Include `touch` actions.
+    pub touch: bool,
+    /// Include stores whose GPU copy fails.
+    pub failed_stores: bool,
+    /// Include the engine's load pins (`prepare_load` / `complete_load`).
+    pub loads: bool,
+    /// Include `shutdown`.
+    pub shutdown: bool,
+    /// Check only the property of this name (the negative tests: each property alone must
+    /// catch its seeded defect).
+    pub only: Option<&'static str>,
+}
+
+impl TieringModel {
+    /// The configuration explored to its closure in CI: 3 keys, 1 request, a 2-slot LRU
+    /// primary, two authoritative tiers of 2 blocks each (one store job each at a time), one
+    /// failure takes a tier Down and one step later it is probed. Actions: lookups, stores of
+    /// one key and of a pair, the end of a step, refused calls, and every end of every owed
+    /// job (success, failure, partial success).
+    pub fn ci() -> Self {
+        let mut m = Self::small();
+        m.config.tiers[1].kind = TierKind::Authoritative;
+        m.touch = false;
+        m.failed_stores = false;
+        m.loads = false;
+        m.shutdown = false;
+        m
+    }
+
+    /// The larger configuration: as [`TieringModel::ci`] with a shared second tier (existence
+    /// probes, cached absent answers) and every action: touches, failed stores, the engine's
+    /// load pins, shutdown. Its closure is beyond a CI run; it is explored to a depth bound.
+    pub fn small() -> Self {
+        let mut c = Config::new(2);
+        c.tiers = vec![
+            TierConfig::new(TierKind::Authoritative, 2),
+            TierConfig::new(TierKind::Shared, 2),
+        ];
+        for t in &mut c.tiers {
+            t.max_outstanding_stores = 1;
+            t.max_outstanding_probes = 1;
+            t.absent_ttl_steps = 1;
+        }
+        c.health.failures_to_down = 1;
+        c.health.probe_interval_steps = 1;
+        c.promotion_cooldown_steps = 1;
+        TieringModel {
+            config: c,
+            keys: 3,
+            requests: 1,
+            touch: true,
+            failed_stores: true,
+            loads: true,
+            shutdown: true,
+            only: None,
+        }
+    }
+}
+
+/// One explored state.
+#[derive(Clone, Debug)]
+pub struct ModelState {
+    /// The real core.
+    pub core: Manager,
+    /// The data shadow: which block's bytes each slot holds, fully written.
+    written: BTreeMap<SlotId, Key>,
+    /// Hits answered in this step, per request (★8: never evicted by its own promotion).
+    hits: BTreeSet<(RequestId, Key)>,
+    /// The first property this state's transition broke, if any.
+    pub violation: Option<String>,
+    canon: String,
+}
+
+impl ModelState {
+    fn new(core: Manager) -> Self {
+        let mut s = ModelState {
+            core,
+            written: BTreeMap::new(),
+            hits: BTreeSet::new(),
+            violation: None,
+            canon: String::new(),
+        };
+        s.seal();
+        s
+    }
+
+    fn seal(&mut self) {
+        // The shadow matters only for Ready blocks, where it must equal the core's own map
+        // (checked at every transition), and the hits are the core's own step state: neither
+        // adds information, so neither is part of the identity of a state.
+        self.written
+            .retain(|slot, k| self.core.primary().key_at(*slot) == Some(k));
+        self.canon = format!("{} | {:?}", self.core.canonical_state(), self.violation);
+    }
+
+    /// Jobs the IO layer owes a result: outstanding and not yet reported.
+    pub fn owed(&self) -> Vec<Job> {
+        self.core
+            .outstanding_jobs()
+            .filter(|j| !self.core.is_reported(j.id))
+            .cloned()
+            .collect()
+    }
+}
+
+impl PartialEq for ModelState {
+    fn eq(&self, other: &Self) -> bool {
+        self.canon == other.canon
+    }
+}
+
+impl Eq for ModelState {}
+
+impl Hash for ModelState {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.canon.hash(state);
+    }
+}
+
+/// How an outstanding job ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum End {
+    /// Every block moved / found / healthy.
+    Ok,
+    /// Nothing moved.
+    Failed,
+    /// Only the first block moved (store and load jobs of two or more blocks).
+    FirstOnly,
+    /// Not found (existence probes).
+    NotFound,
+}
+
+/// An action of the model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// `lookup(request, key)`.
+    Lookup(u8, u8),
+    /// `prepare_store` + `complete_store(ok)` of these keys.
+    Store(Vec<u8>, bool),
+    /// `prepare_load` of one key (the engine pins it).
+    Load(u8),
+    /// `complete_load` of one key the engine pinned.
+    Unload(u8),
+    /// `touch` of one key.
+    Touch(u8),
+    /// `end_step`.
+    EndStep,
+    /// The end of the owed job with this id.
+    End(u64, End),
+    /// `complete_load` of a key without a load pin: refused, nothing changes.
+    BadUnload(u8),
+    /// `shutdown`.
+    Shutdown,
+}
+
+fn key(k: u8) -> Key {
+    Key::from([k])
+}
+
+impl TieringModel {
+    fn apply(&self, s: &ModelState, action: &Action) -> ModelState {
+        let mut n = s.clone();
+        n.violation = None;
+        // Calls that collect job results (M1) may free blocks before they decide: compare
+        // evictions with the state as the collection left it. `prepare_load(&[])` is a call
+        // that does nothing but that collection.
+        let mut collected = s.core.clone();
+        if matches!(
+            action,
+            Action::Lookup(..) | Action::Store(..) | Action::Load(_) | Action::EndStep
+        ) {
+            let _ = collected.prepare_load(&[]);
+        }
+        let before = &collected;
+        let m = &mut n.core;
+        match action {
+            Action::Lookup(r, k) => {
+                let (req, k) = (RequestId(u64::from(*r)), key(*k));
+                let answer = m.lookup(req, &k);
+                if answer == Lookup::Hit {
+                    let (slot, _) = m.primary().state_of(&k).expect("hit is held");
+                    if n.written.get(&slot) != Some(&k) {
+                        n.violation = Some(format!("Hit for {k} whose data is not in {slot}"));
+                    }
+                    n.hits.insert((req, k));
+                }
+            }
+            Action::Store(ks, ok) => {
+                let ks: Vec<Key> = ks.iter().map(|&k| key(k)).collect();
+                if let Ok(p) = m.prepare_store(&ks) {
+                    for (k, slot) in p.keys.iter().zip(&p.slots) {
+                        // The engine copies the block in; a failed copy leaves garbage.
+                        if *ok {
+                            n.written.insert(*slot, k.clone());
+                        } else {
+                            n.written.remove(slot);
+                        }
+                    }
+                    m.complete_store(RequestId(0), &p.keys, *ok);
+                }
+            }
+            Action::Load(k) => {
+                let _ = m.prepare_load(&[key(*k)]);
+            }
+            Action::Unload(k) => {
+                if m.complete_load(&[key(*k)]).is_err() {
+                    n.violation = Some(format!("a held load pin of {k} was refused"));
+                }
+            }
+            Action::Touch(k) => m.touch(&[key(*k)]),
+            Action::EndStep => {
+                m.end_step();
+                n.hits.clear();
+            }
+            Action::End(id, end) => {
+                let job = s
+                    .owed()
+                    .into_iter()
+                    .find(|j| j.id.0 == *id)
+                    .expect("owed job");
+                let blocks = job.blocks();
+                let outcome = match end {
+                    End::Ok => Outcome::Ok,
+                    End::Failed => Outcome::Failed,
+                    End::FirstOnly => Outcome::Partial {
+                        succeeded: vec![blocks[0].key.clone()],
+                    },
+                    End::NotFound => Outcome::NotFound,
+                };
+                // A load writes into the slots: the blocks that succeeded hold their data,
+                // the others hold whatever a broken transfer left.
+                if let JobKind::Load { .. } = job.kind {
+                    for (i, b) in blocks.iter().enumerate() {
+                        let good = match end {
+                            End::Ok => true,
+                            End::FirstOnly => i == 0,
+                            _ => false,
+                        };
+                        if good {
+                            n.written.insert(b.slot, b.key.clone());
+                        } else {
+                            n.written.remove(&b.slot);
+                        }
+                    }
+                }
+                if let Err(e) = m.handle_job_result(JobResult {
+                    job: job.id,
+                    outcome,
+                }) {
+                    n.violation = Some(format!("a valid result was refused: {e}"));
+                }
+            }
+            Action::BadUnload(k) => {
+                let canon = m.canonical_state();
+                if m.complete_load(&[key(*k)]).is_ok() {
+                    n.violation = Some(format!("complete_load of unpinned {k} accepted"));
+                } else if m.canonical_state() != canon {
+                    n.violation = Some("a refused complete_load changed the state".into());
+                }
+            }
+            Action::Shutdown => m.shutdown(),
+        }
+        // Drain the IO layer's side: deletions need nothing, jobs are now owed.
+        while let Some(e) = m.poll_effect() {
+            let _: Effect = e;
+        }
+        // No block leaves by eviction unless it was idle: Ready, unpinned, not in use, and
+        // not one of the promoting request's own hits.
+        for ev in m.take_events() {
+            if ev.kind != EventKind::Removed || n.violation.is_some() {
+                continue;
+            }
+            for k in &ev.keys {
+                let idle = match ev.medium {
+                    Medium::Primary => matches!(
+                        before.primary().state_of(k),
+                        Some((
+                            _,
+                            BlockState::Ready {
+                                load_pins: 0,
+                                job_pins: 0
+                            }
+                        ))
+                    ),
+                    Medium::Tier(t) => matches!(
+                        before.tier(t).and_then(|x| x.state_of(k)),
+                        Some(EntryState::Present { readers: 0 })
+                    ),
+                };
+                if !idle {
+                    n.violation = Some(format!("{k} evicted from {:?} while busy", ev.medium));
+                }
+                if let (Medium::Primary, Action::Lookup(r, _)) = (ev.medium, action) {
+                    if s.hits.contains(&(RequestId(u64::from(*r)), k.clone())) {
+                        n.violation = Some(format!("a promotion evicted its request's hit {k}"));
+                    }
+                }
+            }
+        }
+        // A block is Ready only once its data is fully written into its slot.
+        for k in 0..self.keys {
+            let k = key(k);
+            if let Some((slot, BlockState::Ready { .. })) = m.primary().state_of(&k) {
+                if n.written.get(&slot) != Some(&k) && n.violation.is_none() {
+                    n.violation = Some(format!("{k} is Ready but {slot} does not hold its data"));
+                }
+            }
+        }
+        // No slot named by an outstanding job holds another block.
+        for j in m.outstanding_jobs() {
+            for b in j.blocks() {
+                if m.primary().key_at(b.slot) != Some(&b.key) && n.violation.is_none() {
+                    n.violation = Some(format!("{} of {} reused under {}", b.slot, b.key, j.id));
+                }
+            }
+        }
+        n.seal();
+        n
+    }
+
+    /// Ends every owed job with success and ends steps until nothing is outstanding.
+    fn settles(&self, s: &ModelState) -> Result<(), String> {
+        let mut m = s.core.clone();
+        for _ in 0..6 {
+            let owed: Vec<Job> = m
+                .outstanding_jobs()
+                .filter(|j| !m.is_reported(j.id))
+                .cloned()
+                .collect();
+            for j in owed {
+                m.handle_job_result(JobResult {
+                    job: j.id,
+                    outcome: Outcome::Ok,
+                })
+                .map_err(|e| e.to_string())?;
+            }
+            m.end_step();
+            while m.poll_effect().is_some() {}
+            if m.outstanding_jobs().next().is_none() {
+                break;
+            }
+        }
+        if let Some(j) = m.outstanding_jobs().next() {
+            return Err(format!("{} never ends", j.id));
+        }
+        for k in 0..self.keys {
+            match m.primary().state_of(&key(k)) {
+                Some((_, BlockState::Pending | BlockState::Promoting)) => {
+                    return Err(format!("{k} still in flight"));
+                }
+                Some((_, BlockState::Ready { job_pins, .. })) if job_pins > 0 => {
+                    return Err(format!("{k} still has cascade pins"));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Model for TieringModel {
+    type State = ModelState;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<ModelState> {
+        let mut c = self.config.clone();
+        c.events = true;
+        vec![ModelState::new(Manager::new(c).expect("valid config"))]
+    }
+
+    fn actions(&self, s: &ModelState, actions: &mut Vec<Action>) {
+        if s.violation.is_some() {
+            return; // the property reports it; nothing follows
+        }
+        for r in 0..self.requests {
+            for k in 0..self.keys {
+                actions.push(Action::Lookup(r, k));
+            }
+        }
+        for k in 0..self.keys {
+            actions.push(Action::Store(vec![k], true));
+            if self.failed_stores {
+                actions.push(Action::Store(vec![k], false));
+            }
+            if self.touch {
+                actions.push(Action::Touch(k));
+            }
+            match s.core.primary().state_of(&key(k)) {
+                Some((_, BlockState::Ready { load_pins, .. })) if load_pins > 0 => {
+                    if self.loads {
+                        actions.push(Action::Unload(k));
+                    }
+                }
+                Some((_, BlockState::Ready { .. })) => {
+                    if self.loads {
+                        actions.push(Action::Load(k));
+                    }
+                    actions.push(Action::BadUnload(k));
+                }
+                _ => actions.push(Action::BadUnload(k)),
+            }
+        }
+        if self.keys >= 2 {
+            actions.push(Action::Store(vec![0, 1], true));
+        }
+        actions.push(Action::EndStep);
+        if self.shutdown && !s.core.is_closed() {
+            actions.push(Action::Shutdown);
+        }
+        for j in s.owed() {
+            let ends: &[End] = match &j.kind {
+                JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. }
+                    if blocks.len() > 1 =>
+                {
+                    &[End::Ok, End::Failed, End::FirstOnly]
+                }
+                JobKind::Exists { .. } => &[End::Ok, End::NotFound, End::Failed],
+                _ => &[End::Ok, End::Failed],
+            };
+            for &e in ends {
+                actions.push(Action::End(j.id.0, e));
+            }
+        }
+    }
+
+    fn next_state(&self, s: &ModelState, action: Action) -> Option<ModelState> {
+        let n = self.apply(s, &action);
+        (n != *s).then_some(n)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        let all = vec![
+            Property::always("invariants hold", |_, s: &ModelState| {
+                s.core.check_invariants().is_ok()
+            }),
+            Property::always("no transition breaks a rule", |_, s: &ModelState| {
+                s.violation.is_none()
+            }),
+            Property::always("every state settles", |m: &TieringModel, s: &ModelState| {
+                m.settles(s).is_ok()
+            }),
+            Property::sometimes("a promotion completes", |_, s: &ModelState| {
+                s.core.stats().promotions_succeeded > 0
+            }),
+            Property::sometimes("an eviction happens", |_, s: &ModelState| {
+                s.core.stats().evictions > 0
+            }),
+            Property::sometimes("a tier goes down and comes back", |_, s: &ModelState| {
+                s.core.stats().tiers.iter().any(|(_, t)| t.came_up > 0)
+            }),
+        ];
+        match self.only {
+            Some(name) => all.into_iter().filter(|p| p.name == name).collect(),
+            None => all,
+        }
+    }
+}

@@ -259,7 +259,7 @@ impl Tier {
 
 #[derive(Clone, Debug, Default)]
 struct RequestStep {
-    hits: Vec<(Key, u32)>,
+    hits: Vec<Key>,
     /// Per tier in first-seen order: the promoted blocks in lookup order.
     batches: Vec<(TierId, Vec<Transfer>)>,
 }
@@ -449,8 +449,7 @@ impl RefModel {
         }
         if let Some(b) = self.blocks.get(key) {
             if b.state == State::Ready {
-                let slot = b.slot;
-                self.request(req).hits.push((key.clone(), slot));
+                self.request(req).hits.push(key.clone());
                 return Lookup::Hit;
             }
             return Lookup::Retry;
@@ -495,8 +494,7 @@ impl RefModel {
             .iter()
             .filter(|(r, _)| *r == req)
             .flat_map(|(_, s)| s.hits.iter())
-            .filter(|(k, slot)| self.blocks.get(k).is_some_and(|b| b.slot == *slot))
-            .map(|(k, _)| k.clone())
+            .cloned()
             .collect();
         let Ok((slots, _)) = self.admit(std::slice::from_ref(key), &protected, State::Promoting)
         else {

@@ -231,6 +231,28 @@ impl EvictionPolicy for ArcPolicy {
 }
 
 impl ArcPolicy {
+    /// See `Policy::write_canonical`.
+    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
+        use core::fmt::Write;
+        let _ = write!(out, "arc p={:x} t1[", self.p.to_bits());
+        for id in self.resident.iter(T1) {
+            let _ = write!(out, "{},", name(id));
+        }
+        out.push_str("] t2[");
+        for id in self.resident.iter(T2) {
+            let _ = write!(out, "{},", name(id));
+        }
+        out.push_str("] b1[");
+        for g in self.ghosts.lists.iter(B1) {
+            let _ = write!(out, "{:x},", self.ghosts.hashes[g as usize]);
+        }
+        out.push_str("] b2[");
+        for g in self.ghosts.lists.iter(B2) {
+            let _ = write!(out, "{:x},", self.ghosts.hashes[g as usize]);
+        }
+        out.push(']');
+    }
+
     /// Whether `key` is remembered in a ghost list (used to check I7: ghosts are not resident).
     pub(crate) fn is_ghost(&self, key: &Key) -> bool {
         self.ghosts.find(hash(key)).is_some()

@@ -24,6 +24,13 @@ impl LruPolicy {
     }
 }
 
+impl LruPolicy {
+    /// Ids from least to most recent.
+    pub(crate) fn order(&self) -> impl Iterator<Item = u32> + '_ {
+        self.order.iter(LIST)
+    }
+}
+
 impl EvictionPolicy for LruPolicy {
     fn insert(&mut self, id: u32, _key: &Key) {
         self.order.push_back(LIST, id); // L1

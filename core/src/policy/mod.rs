@@ -71,6 +71,22 @@ impl Policy {
         }
     }
 
+    /// Writes the recency order to `out`, naming each id with `name`: the policy's whole
+    /// behaviour-relevant state, independent of which ids were used.
+    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
+        use core::fmt::Write;
+        match self {
+            Policy::Lru(p) => {
+                out.push_str("lru[");
+                for id in p.order() {
+                    let _ = write!(out, "{},", name(id));
+                }
+                out.push(']');
+            }
+            Policy::Arc(a) => a.write_canonical(out, name),
+        }
+    }
+
     fn inner(&self) -> &dyn EvictionPolicy {
         match self {
             Policy::Lru(p) => p,

@@ -1,0 +1,77 @@
+//! Exhaustive breadth-first exploration of the real core (stateright). The unique state count
+//! is pinned, so that a change that shrinks (or grows) the search is noticed.
+#![allow(clippy::print_stderr)] // the figures the docs quote
+
+use kvtier_model::checker::TieringModel;
+use stateright::{Checker, Model};
+
+/// Unique states of [`TieringModel::ci`] at its closure.
+const CI_STATES: usize = 3_444_624;
+
+#[test]
+fn ci_configuration_is_checked_exhaustively() {
+    let started = std::time::Instant::now();
+    let checker = TieringModel::ci().checker().threads(2).spawn_bfs().join();
+    eprintln!(
+        "{} unique states, {} generated, {:?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        started.elapsed()
+    );
+    checker.assert_properties();
+    assert_eq!(checker.unique_state_count(), CI_STATES);
+}
+
+/// The larger configuration (shared tier, every action) to a depth bound; figures in
+/// `docs/verification.md`. Run with `cargo test --release -p kvtier-model --test stateright
+/// -- --ignored`.
+#[test]
+#[ignore = "minutes; run by hand"]
+fn larger_configuration_to_depth_16() {
+    let started = std::time::Instant::now();
+    let checker = TieringModel::small()
+        .checker()
+        .threads(2)
+        .target_max_depth(16)
+        .spawn_bfs()
+        .join();
+    eprintln!(
+        "{} unique states, {} generated, {:?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        started.elapsed()
+    );
+    checker.assert_no_discovery("invariants hold");
+    checker.assert_no_discovery("no transition breaks a rule");
+    checker.assert_no_discovery("every state settles");
+}
+
+/// For the negative tests (`scripts/mutants.sh`): explores [`TieringModel::small`] checking
+/// only the property named by `KVTIER_PROPERTY`, and stops at its first counterexample.
+#[test]
+#[ignore = "run by scripts/mutants.sh against a seeded defect"]
+fn one_property_until_first_counterexample() {
+    let name: &'static str = std::env::var("KVTIER_PROPERTY")
+        .expect("KVTIER_PROPERTY names a property")
+        .leak();
+    let mut model = TieringModel::small();
+    model.only = Some(name);
+    let checker = model
+        .checker()
+        .threads(2)
+        .target_max_depth(14)
+        .finish_when(stateright::HasDiscoveries::AnyFailures)
+        .spawn_bfs()
+        .join();
+    assert!(
+        checker.discovery(name).is_none(),
+        "{name} broken:\n{}",
+        checker
+            .discovery(name)
+            .map(|p| {
+                let violation = p.last_state().violation.clone();
+                format!("{violation:?}\nafter {:#?}", p.into_actions())
+            })
+            .unwrap_or_default()
+    );
+}
