@@ -575,8 +575,15 @@ impl Manager {
         if self.closed {
             return;
         }
-        while let Some(r) = self.inbox.pop_front() {
-            self.apply(r, false);
+        // Results already received are applied, but a closing tier caches no probe answer:
+        // nothing is inserted, so nothing is evicted or deleted while shutting down.
+        while let Some(mut r) = self.inbox.pop_front() {
+            if matches!(self.jobs[&r.job].job.kind, JobKind::Exists { .. }) {
+                r.outcome = Outcome::Failed;
+                self.apply(r, true);
+            } else {
+                self.apply(r, false);
+            }
         }
         let ids: Vec<JobId> = self.jobs.keys().copied().collect();
         for job in ids {

@@ -306,6 +306,7 @@ impl TieringModel {
             }
             for k in &ev.keys {
                 let idle = match ev.medium {
+                    // The primary evicts only while admitting blocks, never while collecting.
                     Medium::Primary => matches!(
                         before.primary().state_of(k),
                         Some((
@@ -316,10 +317,24 @@ impl TieringModel {
                             }
                         ))
                     ),
-                    Medium::Tier(t) => matches!(
-                        before.tier(t).and_then(|x| x.state_of(k)),
-                        Some(EntryState::Present { readers: 0 })
-                    ),
+                    // A tier may evict while the collection applies results (a probe found a
+                    // block): a block whose writer or readers already reported is finishing,
+                    // not busy. Judge by the state before the call and what it had received.
+                    Medium::Tier(t) => {
+                        let reported = |store: bool| {
+                            s.core
+                                .outstanding_jobs()
+                                .filter(|j| j.tier == t && s.core.is_reported(j.id))
+                                .filter(|j| matches!(j.kind, JobKind::Store { .. }) == store)
+                                .filter(|j| j.blocks().iter().any(|b| &b.key == k))
+                                .count() as u32
+                        };
+                        match s.core.tier(t).and_then(|x| x.state_of(k)) {
+                            None | Some(EntryState::Present { readers: 0 }) => true,
+                            Some(EntryState::Writing) => reported(true) > 0,
+                            Some(EntryState::Present { readers }) => readers <= reported(false),
+                        }
+                    }
                 };
                 if !idle {
                     n.violation = Some(format!("{k} evicted from {:?} while busy", ev.medium));

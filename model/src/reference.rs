@@ -771,8 +771,14 @@ impl RefModel {
         if self.closed {
             return;
         }
-        for r in std::mem::take(&mut self.inbox) {
-            self.apply(r, false);
+        for mut r in std::mem::take(&mut self.inbox) {
+            // A closing tier caches no probe answer.
+            if matches!(self.jobs[&r.job].0.kind, JobKind::Exists { .. }) {
+                r.outcome = Outcome::Failed;
+                self.apply(r, true);
+            } else {
+                self.apply(r, false);
+            }
         }
         let ids: Vec<JobId> = self.jobs.keys().copied().collect();
         for job in ids {

@@ -27,12 +27,12 @@ fn ci_configuration_is_checked_exhaustively() {
 /// -- --ignored`.
 #[test]
 #[ignore = "minutes; run by hand"]
-fn larger_configuration_to_depth_16() {
+fn larger_configuration_to_depth_10() {
     let started = std::time::Instant::now();
     let checker = TieringModel::small()
         .checker()
         .threads(2)
-        .target_max_depth(16)
+        .target_max_depth(10)
         .spawn_bfs()
         .join();
     eprintln!(
@@ -59,7 +59,7 @@ fn one_property_until_first_counterexample() {
     let checker = model
         .checker()
         .threads(2)
-        .target_max_depth(14)
+        .target_max_depth(12)
         .finish_when(stateright::HasDiscoveries::AnyFailures)
         .spawn_bfs()
         .join();
