@@ -4,7 +4,7 @@
 
 use kvtier_model::{ConfigChoice, Harness, Op};
 use proptest::prelude::*;
-use proptest::test_runner::Config;
+use proptest::test_runner::{Config, FileFailurePersistence};
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 
 /// Drives generation: the configuration is chosen once, ops are drawn from the alphabet.
@@ -57,6 +57,10 @@ prop_state_machine! {
     #![proptest_config(Config {
         cases: 1000,
         max_shrink_iters: 10_000,
+        // Relative to the package (cargo runs tests there): model/proptest-regressions/.
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
+            "proptest-regressions/state_machine.txt",
+        ))),
         .. Config::default()
     })]
     #[test]
