@@ -240,6 +240,9 @@ mod tests {
             ids,
             reference.keys().copied().collect::<alloc::vec::Vec<_>>()
         );
-        assert_eq!(t.find(1_000_003u64.wrapping_mul(0x9E37_79B9_7F4A_7C15), |_| false), None);
+        assert_eq!(
+            t.find(1_000_003u64.wrapping_mul(0x9E37_79B9_7F4A_7C15), |_| false),
+            None
+        );
     }
 }
