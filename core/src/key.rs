@@ -179,13 +179,15 @@ id_type!(
 );
 
 impl SlotId {
-    pub(crate) fn index(self) -> usize {
+    /// The slot's position in the primary tier (and its row in the region).
+    pub fn index(self) -> usize {
         self.0 as usize
     }
 }
 
 impl TierId {
-    pub(crate) fn index(self) -> usize {
+    /// The tier's position in [`Config::tiers`](crate::Config::tiers).
+    pub fn index(self) -> usize {
         usize::from(self.0)
     }
 }

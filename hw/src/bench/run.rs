@@ -1,0 +1,455 @@
+//! The bench loop and its report.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvtier_core::{Config, Key, Lookup, RequestId, TierConfig};
+use serde::Serialize;
+
+use super::BenchError;
+use super::belady::optimal_hits;
+use super::settings::BenchSettings;
+use super::workload::Request;
+use crate::{
+    Driver, DriverOptions, FileStore, HostEngine, HostMemory, Layout, PathSummary, Region,
+    SecondaryStore, TransferId, page_align,
+};
+
+/// Receives progress (requests finished) while the bench runs.
+pub trait Progress {
+    /// `done` of `total` requests have finished.
+    fn update(&mut self, done: u64, total: u64);
+}
+
+impl Progress for () {
+    fn update(&mut self, _: u64, _: u64) {}
+}
+
+/// One secondary tier in the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct TierReport {
+    /// Its capacity in blocks.
+    pub capacity_blocks: u32,
+    /// Blocks it held at the end.
+    pub blocks: u64,
+    /// Promotions started from it.
+    pub promotions: u64,
+    /// Blocks cascaded into it.
+    pub cascaded: u64,
+    /// Blocks evicted from it.
+    pub evictions: u64,
+    /// Failed reads and writes.
+    pub failures: u64,
+    /// Its health at the end.
+    pub health: String,
+}
+
+/// What a bench run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// Requests replayed.
+    pub requests: u64,
+    /// Block references (prompt blocks over all requests).
+    pub blocks: u64,
+    /// Distinct blocks.
+    pub distinct_blocks: u64,
+    /// Bytes per block.
+    pub block_bytes: u64,
+    /// Primary capacity in blocks.
+    pub primary_blocks: u32,
+    /// Blocks served from the primary at the first lookup.
+    pub primary_hits: u64,
+    /// Blocks served after waiting for a promotion from a secondary tier.
+    pub promoted_hits: u64,
+    /// Hit ratio of the primary (primary hits / blocks).
+    pub primary_hit_ratio: f64,
+    /// Hit ratio of the secondary tiers (promoted hits / blocks).
+    pub secondary_hit_ratio: f64,
+    /// Overall hit ratio.
+    pub hit_ratio: f64,
+    /// Belady's optimum for a cache of the primary's capacity.
+    pub optimal_primary_hit_ratio: f64,
+    /// Belady's optimum for a cache of every tier's capacity together.
+    pub optimal_hit_ratio: f64,
+    /// Promotions started, succeeded, failed.
+    pub promotions: [u64; 3],
+    /// Blocks evicted from the primary.
+    pub primary_evictions: u64,
+    /// Requests that stopped waiting for promotions and recomputed.
+    pub gave_up_waiting: u64,
+    /// Stores refused for lack of primary room (recomputed next time).
+    pub stores_refused: u64,
+    /// Loaded blocks whose bytes differed from what was stored (must be 0).
+    pub wrong_blocks: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// Per secondary tier.
+    pub tiers: Vec<TierReport>,
+    /// Per IO path.
+    pub paths: Vec<PathSummary>,
+    /// Wall time in seconds.
+    pub wall_s: f64,
+    /// Peak resident memory of the process in bytes (the region counts once touched).
+    pub peak_rss_bytes: u64,
+}
+
+fn key(block: u64) -> Key {
+    Key::new(&block.to_le_bytes())
+}
+
+/// A block's bytes: derived from its id, so a load can be checked against it.
+fn fill(block: u64, out: &mut [u8]) {
+    let mut x = block.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for chunk in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+struct Active {
+    index: usize,
+    id: RequestId,
+    device_slot: usize,
+    waited: u32,
+    retried: BTreeSet<u64>,
+}
+
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|v| v.parse::<u64>().ok())
+            })
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Replays `requests` through a driver built from `settings`.
+///
+/// Per step, each request in flight looks up its prompt's blocks in order. A Retry (a
+/// promotion started) makes it wait for the next step, up to `max_wait_steps`; then its hit
+/// prefix is loaded to the device, the rest is "computed" (written to device memory) and
+/// stored, and every loaded block is compared with what was stored.
+pub fn run(
+    settings: &BenchSettings,
+    requests: &[Request],
+    progress: &mut dyn Progress,
+) -> Result<Report, BenchError> {
+    settings.validate(Path::new("-"))?;
+    let start = Instant::now();
+    let bb = settings.block_bytes;
+    let row = page_align(bb);
+    let rows = u32::try_from(settings.cpu_bytes / row as u64)
+        .ok()
+        .filter(|&r| r <= kvtier_core::MAX_BLOCKS)
+        .ok_or_else(|| BenchError::Config {
+            path: "-".into(),
+            reason: "cpu_bytes_to_use: too many blocks for one region".into(),
+        })?;
+    let longest = requests
+        .iter()
+        .map(|r| r.blocks.len())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    if longest > rows as usize / 2 {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: format!(
+                "cpu_bytes_to_use: a request of {longest} blocks needs a primary of at least {} blocks, it has {rows}",
+                longest * 2
+            ),
+        });
+    }
+    let region_path = settings
+        .region_dir
+        .join(format!("kvtier-bench-{}", std::process::id()));
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let region = Arc::new(Region::create(
+        &region_path,
+        Layout::new(rows, 1, bb)?,
+        threads,
+    )?);
+    let mut temp_dirs = Vec::new();
+    let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
+    let mut config = Config::new(rows);
+    config.policy = settings.policy;
+    config.events = false;
+    for t in &settings.tiers {
+        let dir = match &t.path {
+            Some(p) => p.clone(),
+            None => {
+                let d = tempfile::Builder::new()
+                    .prefix("kvtier-tier-")
+                    .tempdir()
+                    .map_err(|e| BenchError::Io {
+                        what: "create temporary tier directory",
+                        path: std::env::temp_dir(),
+                        source: e,
+                    })?;
+                let p = d.path().to_path_buf();
+                temp_dirs.push(d);
+                p
+            }
+        };
+        let store = FileStore::open(&dir, row, t.capacity_bytes)?;
+        let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
+        tc.policy = settings.policy;
+        config.tiers.push(tc);
+        stores.push(Arc::new(store));
+    }
+    let device = Arc::new(HostMemory::new(settings.batch * longest * bb)?);
+    let engine = HostEngine::new(region.clone(), device.clone(), 0, settings.copy_threads);
+    let options = DriverOptions {
+        io_threads_per_tier: settings.io_threads,
+        ..DriverOptions::default()
+    };
+    let tier_capacity: u64 = config
+        .tiers
+        .iter()
+        .map(|t| u64::from(t.capacity_blocks))
+        .sum();
+    let mut driver = Driver::new(config, region, Box::new(engine), stores, options)?;
+
+    let total = requests.len() as u64;
+    let mut next = 0usize;
+    let mut active: Vec<Active> = Vec::new();
+    let mut free_device: Vec<usize> = (0..settings.batch).rev().collect();
+    let (mut primary_hits, mut promoted_hits, mut gave_up, mut refused, mut wrong, mut done) =
+        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut block = vec![0u8; bb];
+    let mut expect = vec![0u8; bb];
+    let mut steps = 0u64;
+    while next < requests.len() || !active.is_empty() {
+        while active.len() < settings.batch && next < requests.len() {
+            active.push(Active {
+                index: next,
+                id: RequestId(next as u64),
+                device_slot: free_device.pop().expect("a device slot per active request"),
+                waited: 0,
+                retried: BTreeSet::new(),
+            });
+            next += 1;
+        }
+        let mut transfers: Vec<(TransferId, Vec<(u64, usize)>)> = Vec::new();
+        let mut finished = Vec::new();
+        for (ai, a) in active.iter_mut().enumerate() {
+            let blocks = &requests[a.index].blocks;
+            let mut hits = 0;
+            let mut retry = false;
+            // Hits count up to the first other answer; the lookups go on through Retry
+            // answers so that one step starts every promotion the prefix needs (batched
+            // into one job per tier), and stop at the first Miss.
+            for &b in blocks {
+                match driver.lookup(a.id, &key(b)) {
+                    Lookup::Hit if !retry => hits += 1,
+                    Lookup::Hit => {}
+                    Lookup::Retry => {
+                        retry = true;
+                        a.retried.insert(b);
+                    }
+                    _ => break,
+                }
+            }
+            if retry && a.waited < settings.max_wait_steps {
+                a.waited += 1;
+                continue;
+            }
+            gave_up += u64::from(retry);
+            let base = a.device_slot * longest * bb;
+            let hit_blocks: Vec<(Key, usize)> = blocks[..hits]
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| (key(b), base + i * bb))
+                .collect();
+            if !hit_blocks.is_empty() {
+                let t = driver.load(a.id, &hit_blocks)?;
+                transfers.push((
+                    t,
+                    blocks[..hits]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &b)| (b, base + i * bb))
+                        .collect(),
+                ));
+                let keys: Vec<Key> = hit_blocks.iter().map(|(k, _)| k.clone()).collect();
+                driver.touch(&keys);
+            }
+            let promoted = blocks[..hits]
+                .iter()
+                .filter(|b| a.retried.contains(b))
+                .count() as u64;
+            promoted_hits += promoted;
+            primary_hits += hits as u64 - promoted;
+            let mut computed = Vec::with_capacity(blocks.len() - hits);
+            for (i, &b) in blocks.iter().enumerate().skip(hits) {
+                fill(b, &mut block);
+                device.write(base + i * bb, &block)?;
+                computed.push((key(b), base + i * bb));
+            }
+            match driver.store(a.id, &computed) {
+                Ok(Some(t)) => transfers.push((t, Vec::new())),
+                Ok(None) => {}
+                Err(crate::HwError::Core(kvtier_core::Error::NoRoom { .. })) => refused += 1,
+                Err(e) => return Err(e.into()),
+            }
+            finished.push(ai);
+        }
+        for (t, loaded) in transfers {
+            driver.wait(t)?;
+            for (b, at) in loaded {
+                device.read(at, &mut block)?;
+                fill(b, &mut expect);
+                wrong += u64::from(block != expect);
+            }
+        }
+        for ai in finished.into_iter().rev() {
+            let a = active.swap_remove(ai);
+            free_device.push(a.device_slot);
+            done += 1;
+        }
+        driver.end_step();
+        steps += 1;
+        if steps % 16 == 0 {
+            progress.update(done, total);
+        }
+    }
+    driver.settle(64);
+    progress.update(done, total);
+    let stats = driver.manager().stats();
+    let metrics = driver.metrics().summary();
+    let report_tiers = stats
+        .tiers
+        .iter()
+        .enumerate()
+        .map(|(i, (health, t))| TierReport {
+            capacity_blocks: driver.manager().config().tiers[i].capacity_blocks,
+            blocks: t.blocks,
+            promotions: t.hits,
+            cascaded: t.blocks_cascaded,
+            evictions: t.evictions,
+            failures: t.write_failures + t.read_failures,
+            health: format!("{health:?}"),
+        })
+        .collect();
+    driver.shutdown();
+    drop(temp_dirs);
+
+    let refs: Vec<u64> = requests
+        .iter()
+        .flat_map(|r| r.blocks.iter().copied())
+        .collect();
+    let distinct: BTreeSet<u64> = refs.iter().copied().collect();
+    let n = refs.len().max(1) as f64;
+    Ok(Report {
+        requests: total,
+        blocks: refs.len() as u64,
+        distinct_blocks: distinct.len() as u64,
+        block_bytes: bb as u64,
+        primary_blocks: rows,
+        primary_hits,
+        promoted_hits,
+        primary_hit_ratio: primary_hits as f64 / n,
+        secondary_hit_ratio: promoted_hits as f64 / n,
+        hit_ratio: (primary_hits + promoted_hits) as f64 / n,
+        optimal_primary_hit_ratio: optimal_hits(&refs, rows as usize) as f64 / n,
+        optimal_hit_ratio: optimal_hits(&refs, (u64::from(rows) + tier_capacity) as usize) as f64
+            / n,
+        promotions: [
+            stats.promotions_started,
+            stats.promotions_succeeded,
+            stats.promotions_failed,
+        ],
+        primary_evictions: stats.evictions,
+        gave_up_waiting: gave_up,
+        stores_refused: refused,
+        wrong_blocks: wrong,
+        steps,
+        tiers: report_tiers,
+        paths: metrics,
+        wall_s: start.elapsed().as_secs_f64(),
+        peak_rss_bytes: peak_rss(),
+    })
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pct = |x: f64| format!("{:.1}%", x * 100.0);
+        writeln!(
+            f,
+            "requests        {}   blocks {} ({} distinct, {} KiB each)   steps {}",
+            self.requests,
+            self.blocks,
+            self.distinct_blocks,
+            self.block_bytes >> 10,
+            self.steps
+        )?;
+        writeln!(
+            f,
+            "hit ratio       {} overall = {} primary + {} promoted from secondary tiers",
+            pct(self.hit_ratio),
+            pct(self.primary_hit_ratio),
+            pct(self.secondary_hit_ratio)
+        )?;
+        writeln!(
+            f,
+            "optimum         {} with every tier's capacity, {} with the primary's alone (Belady, offline)",
+            pct(self.optimal_hit_ratio),
+            pct(self.optimal_primary_hit_ratio)
+        )?;
+        writeln!(
+            f,
+            "promotions      {} started, {} succeeded, {} failed; {} requests gave up waiting",
+            self.promotions[0], self.promotions[1], self.promotions[2], self.gave_up_waiting
+        )?;
+        writeln!(
+            f,
+            "primary         {} blocks, {} evictions, {} stores refused",
+            self.primary_blocks, self.primary_evictions, self.stores_refused
+        )?;
+        for (i, t) in self.tiers.iter().enumerate() {
+            writeln!(
+                f,
+                "tier {i}          {} / {} blocks, {} cascaded, {} evictions, {} failures, {}",
+                t.blocks, t.capacity_blocks, t.cascaded, t.evictions, t.failures, t.health
+            )?;
+        }
+        writeln!(
+            f,
+            "{:<20} {:>8} {:>7} {:>10} {:>9} {:>8} {:>8}",
+            "path", "ops", "failed", "MiB", "GB/s/op", "p50 µs", "p99 µs"
+        )?;
+        for p in &self.paths {
+            writeln!(
+                f,
+                "{:<20} {:>8} {:>7} {:>10.0} {:>9.2} {:>8} {:>8}",
+                p.path,
+                p.ops,
+                p.failed,
+                p.bytes as f64 / (1u64 << 20) as f64,
+                p.gb_per_s,
+                p.p50_us,
+                p.p99_us
+            )?;
+        }
+        writeln!(
+            f,
+            "verified        {} loaded blocks differed from what was stored",
+            self.wrong_blocks
+        )?;
+        write!(
+            f,
+            "wall time       {:.1} s, peak RSS {} MiB",
+            self.wall_s,
+            self.peak_rss_bytes >> 20
+        )
+    }
+}

@@ -1,0 +1,252 @@
+//! Bench settings: defaults, a TOML or JSON file with the keys vLLM users know, and options.
+
+use std::path::{Path, PathBuf};
+
+use kvtier_core::PolicyKind;
+use serde::Deserialize;
+
+use super::BenchError;
+
+/// One secondary tier of the bench.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierSettings {
+    /// The tier's directory; `None`: a temporary directory removed afterwards.
+    pub path: Option<PathBuf>,
+    /// Its capacity in bytes.
+    pub capacity_bytes: u64,
+}
+
+/// Everything a bench run needs besides its workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BenchSettings {
+    /// Bytes of the primary region.
+    pub cpu_bytes: u64,
+    /// Bytes of one block (one worker).
+    pub block_bytes: usize,
+    /// The eviction policy of the primary and the tiers.
+    pub policy: PolicyKind,
+    /// Directory of the shared region (default `/dev/shm`).
+    pub region_dir: PathBuf,
+    /// Secondary tiers, in cascade order.
+    pub tiers: Vec<TierSettings>,
+    /// Requests in flight at a time (a scheduler's batch).
+    pub batch: usize,
+    /// Copy threads of the host engine.
+    pub copy_threads: usize,
+    /// IO threads per tier.
+    pub io_threads: usize,
+    /// Steps a request waits for its promotions before it recomputes instead.
+    pub max_wait_steps: u32,
+}
+
+impl Default for BenchSettings {
+    fn default() -> Self {
+        BenchSettings {
+            cpu_bytes: 1 << 30,
+            block_bytes: 256 << 10,
+            policy: PolicyKind::Lru,
+            region_dir: PathBuf::from("/dev/shm"),
+            tiers: vec![TierSettings {
+                path: None,
+                capacity_bytes: 4 << 30,
+            }],
+            batch: 4,
+            copy_threads: 2,
+            io_threads: 4,
+            max_wait_steps: 64,
+        }
+    }
+}
+
+/// A configuration file, TOML or JSON (by extension; otherwise TOML is tried, then JSON).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileSettings {
+    /// Bytes of the primary region.
+    pub cpu_bytes_to_use: Option<u64>,
+    /// Tokens per block (with `bytes_per_token`, sets the block size).
+    pub block_size: Option<u64>,
+    /// KV-cache bytes per token for one worker.
+    pub bytes_per_token: Option<u64>,
+    /// "lru" or "arc".
+    pub eviction_policy: Option<String>,
+    /// Directory of the shared region.
+    pub region_dir: Option<PathBuf>,
+    /// Requests in flight at a time.
+    pub batch: Option<usize>,
+    /// Secondary tiers.
+    pub secondary_tiers: Option<Vec<FileTier>>,
+}
+
+/// A secondary tier in a configuration file.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileTier {
+    /// Only "file" for now.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Its directory (a temporary one when absent).
+    pub path: Option<PathBuf>,
+    /// Its capacity in bytes.
+    pub capacity_bytes: u64,
+}
+
+/// Parses a policy name.
+pub fn parse_policy(s: &str) -> Option<PolicyKind> {
+    match s.to_ascii_lowercase().as_str() {
+        "lru" => Some(PolicyKind::Lru),
+        "arc" => Some(PolicyKind::Arc),
+        _ => None,
+    }
+}
+
+impl FileSettings {
+    /// Reads and parses `path`.
+    pub fn read(path: &Path) -> Result<Self, BenchError> {
+        let text = std::fs::read_to_string(path).map_err(|e| BenchError::Io {
+            what: "read config",
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses `text`, read from `path`.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, BenchError> {
+        let bad = |reason: String| BenchError::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("json") => serde_json::from_str(text).map_err(|e| bad(e.to_string())),
+            Some("toml") => toml::from_str(text).map_err(|e| bad(e.to_string())),
+            _ => toml::from_str(text)
+                .or_else(|t| serde_json::from_str(text).map_err(|_| bad(t.to_string()))),
+        }
+    }
+
+    /// Applies the file over `s`, checking every value.
+    pub fn apply(&self, s: &mut BenchSettings, path: &Path) -> Result<(), BenchError> {
+        let bad = |reason: String| BenchError::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if let Some(b) = self.cpu_bytes_to_use {
+            s.cpu_bytes = b;
+        }
+        match (self.block_size, self.bytes_per_token) {
+            (Some(t), Some(b)) => {
+                s.block_bytes = usize::try_from(t.saturating_mul(b))
+                    .map_err(|_| bad("block_size * bytes_per_token is too large".into()))?
+            }
+            (Some(t), None) => s.block_bytes = (t as usize).saturating_mul(512),
+            (None, Some(_)) => return Err(bad("bytes_per_token needs block_size".into())),
+            (None, None) => {}
+        }
+        if let Some(p) = &self.eviction_policy {
+            s.policy = parse_policy(p).ok_or_else(|| {
+                bad(format!(
+                    "eviction_policy: expected \"lru\" or \"arc\", got {p:?}"
+                ))
+            })?;
+        }
+        if let Some(d) = &self.region_dir {
+            s.region_dir = d.clone();
+        }
+        if let Some(b) = self.batch {
+            s.batch = b;
+        }
+        if let Some(tiers) = &self.secondary_tiers {
+            s.tiers = tiers
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    if t.kind != "file" {
+                        return Err(bad(format!(
+                            "secondary_tiers[{i}].type: only \"file\" is supported, got {:?}",
+                            t.kind
+                        )));
+                    }
+                    Ok(TierSettings {
+                        path: t.path.clone(),
+                        capacity_bytes: t.capacity_bytes,
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        s.validate(path)
+    }
+}
+
+impl BenchSettings {
+    /// Checks the settings; the error names the field.
+    pub fn validate(&self, path: &Path) -> Result<(), BenchError> {
+        let bad = |reason: &str| {
+            Err(BenchError::Config {
+                path: path.to_path_buf(),
+                reason: reason.into(),
+            })
+        };
+        if self.block_bytes == 0 || self.block_bytes > 1 << 30 {
+            return bad("block bytes: must be 1 byte to 1 GiB");
+        }
+        if self.cpu_bytes < crate::page_align(self.block_bytes) as u64 {
+            return bad("cpu_bytes_to_use: holds no block of this size");
+        }
+        if self.batch == 0 || self.batch > 256 {
+            return bad("batch: must be 1 to 256");
+        }
+        if self.tiers.iter().any(|t| t.capacity_bytes == 0) {
+            return bad("secondary_tiers.capacity_bytes: must be positive");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_keys_in_toml_and_json() {
+        let toml = r#"
+cpu_bytes_to_use = 268435456
+block_size = 256
+bytes_per_token = 1024
+eviction_policy = "arc"
+secondary_tiers = [{ type = "file", capacity_bytes = 1073741824 }]
+"#;
+        let f = FileSettings::parse(toml, Path::new("c.toml")).unwrap();
+        let mut s = BenchSettings::default();
+        f.apply(&mut s, Path::new("c.toml")).unwrap();
+        assert_eq!(
+            (s.cpu_bytes, s.block_bytes, s.policy),
+            (256 << 20, 256 << 10, PolicyKind::Arc)
+        );
+        assert_eq!(s.tiers.len(), 1);
+        let json = r#"{"cpu_bytes_to_use": 1048576, "secondary_tiers": []}"#;
+        let f = FileSettings::parse(json, Path::new("c.json")).unwrap();
+        f.apply(&mut s, Path::new("c.json")).unwrap();
+        assert!(s.tiers.is_empty());
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let err = FileSettings::parse("cpu_bytes = 1", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("cpu_bytes"), "{err}");
+        let f = FileSettings::parse("eviction_policy = \"fifo\"", Path::new("c.toml")).unwrap();
+        let err = f
+            .apply(&mut BenchSettings::default(), Path::new("c.toml"))
+            .unwrap_err();
+        assert!(err.to_string().contains("eviction_policy"), "{err}");
+        let f = FileSettings::parse(
+            "[[secondary_tiers]]\ntype = \"redis\"\ncapacity_bytes = 1",
+            Path::new("c.toml"),
+        )
+        .unwrap();
+        let err = f
+            .apply(&mut BenchSettings::default(), Path::new("c.toml"))
+            .unwrap_err();
+        assert!(err.to_string().contains("secondary_tiers[0].type"), "{err}");
+    }
+}

@@ -1,0 +1,488 @@
+//! The driver: owns the core on one thread and carries its effects out.
+//!
+//! Every input goes to the core first; then every effect it produced is drained into the
+//! transfer engine or a tier's IO threads. IO threads never touch the core: they push
+//! [`Completion`]s onto one queue, which the driver drains and hands to the core. This is
+//! quinn's connection driver and str0m's run loop, with jobs instead of packets.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_core::{Config, Effect, JobResult, Key, Lookup, Manager, Outcome, RequestId, TierId};
+
+use crate::HwError;
+use crate::engine::{
+    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
+};
+use crate::io::{JobPath, TierDone, TierIo};
+use crate::metrics::{IoMetrics, Path};
+use crate::queue::Queue;
+use crate::region::Region;
+use crate::store::SecondaryStore;
+
+/// Driver settings beyond the core's configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverOptions {
+    /// IO threads per secondary tier (jobs of one tier run this many at a time).
+    pub io_threads_per_tier: usize,
+    /// How long `shutdown` waits for IO in flight before ending the remaining jobs as failed.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for DriverOptions {
+    fn default() -> Self {
+        DriverOptions {
+            io_threads_per_tier: 4,
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+struct PendingTransfer {
+    request: RequestId,
+    direction: Direction,
+    keys: Vec<Key>,
+}
+
+/// What `shutdown` did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Tier jobs and transfers that ended normally while shutting down.
+    pub drained: u64,
+    /// Core jobs ended as failed by the shutdown (never reported by their tier in time).
+    pub ended_failed: u64,
+    /// IO still running when the timeout passed (its threads were left to finish alone).
+    pub abandoned: u64,
+}
+
+/// Owns a [`Manager`], the primary region, a transfer engine and the secondary tiers.
+pub struct Driver {
+    manager: Manager,
+    region: Arc<Region>,
+    engine: Box<dyn TransferEngine>,
+    tiers: Vec<TierIo>,
+    done: Completions,
+    transfers: BTreeMap<TransferId, PendingTransfer>,
+    finished: BTreeMap<TransferId, Result<(), EngineError>>,
+    next_transfer: u64,
+    jobs_in_flight: usize,
+    options: DriverOptions,
+    metrics: IoMetrics,
+    closed: bool,
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("region", &self.region)
+            .field("engine", &self.engine.name())
+            .field("tiers", &self.tiers.len())
+            .field("transfers", &self.transfers.len())
+            .field("jobs_in_flight", &self.jobs_in_flight)
+            .finish()
+    }
+}
+
+impl Driver {
+    /// Starts a driver. `config.num_blocks` must equal the region's rows and `config.tiers`
+    /// must describe `stores` one to one (capacity at most the store's). Each store's
+    /// recovered blocks are restored into the core's index (★6); blocks that no longer fit
+    /// are deleted.
+    pub fn new(
+        config: Config,
+        region: Arc<Region>,
+        engine: Box<dyn TransferEngine>,
+        stores: Vec<Arc<dyn SecondaryStore>>,
+        options: DriverOptions,
+    ) -> Result<Self, HwError> {
+        if config.num_blocks != region.layout().rows {
+            return Err(HwError::Setup(format!(
+                "the core has {} primary slots but the region has {} rows",
+                config.num_blocks,
+                region.layout().rows
+            )));
+        }
+        if config.tiers.len() != stores.len() {
+            return Err(HwError::Setup(format!(
+                "{} tiers configured for {} stores",
+                config.tiers.len(),
+                stores.len()
+            )));
+        }
+        for (i, (t, s)) in config.tiers.iter().zip(&stores).enumerate() {
+            if t.capacity_blocks > s.capacity_blocks() || t.kind != s.kind() {
+                return Err(HwError::Setup(format!(
+                    "tier {i} ({}) is configured as {:?} with {} blocks; the store is {:?} with {}",
+                    s.name(),
+                    t.kind,
+                    t.capacity_blocks,
+                    s.kind(),
+                    s.capacity_blocks()
+                )));
+            }
+        }
+        let mut manager = Manager::new(config)?;
+        for (i, s) in stores.iter().enumerate() {
+            let rejected = manager.restore_tier(TierId(i as u16), s.recovered())?;
+            for key in &rejected {
+                s.delete(key)?;
+            }
+            tracing::info!(
+                tier = i,
+                name = s.name(),
+                restored = manager.tier(TierId(i as u16)).map_or(0, |t| t.len()),
+                rejected = rejected.len(),
+                "tier restored"
+            );
+        }
+        let done: Completions = Arc::new(Queue::new());
+        let tiers = stores
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                TierIo::start(
+                    TierId(i as u16),
+                    s,
+                    region.clone(),
+                    done.clone(),
+                    options.io_threads_per_tier,
+                )
+            })
+            .collect();
+        Ok(Driver {
+            manager,
+            region,
+            engine,
+            tiers,
+            done,
+            transfers: BTreeMap::new(),
+            finished: BTreeMap::new(),
+            next_transfer: 0,
+            jobs_in_flight: 0,
+            options,
+            metrics: IoMetrics::default(),
+            closed: false,
+        })
+    }
+
+    /// The core (read only: every change goes through the driver).
+    pub fn manager(&self) -> &Manager {
+        &self.manager
+    }
+
+    /// The primary region.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// IO counters and latencies so far.
+    pub fn metrics(&self) -> &IoMetrics {
+        &self.metrics
+    }
+
+    /// Tier jobs and transfers in flight.
+    pub fn in_flight(&self) -> usize {
+        self.jobs_in_flight + self.transfers.len()
+    }
+
+    /// Looks up one block for `req` (M2–M4); a promotion or probe it starts is submitted at
+    /// the end of the step.
+    pub fn lookup(&mut self, req: RequestId, key: &Key) -> Lookup {
+        self.poll();
+        let answer = self.manager.lookup(req, key);
+        self.pump();
+        answer
+    }
+
+    /// Recency update for blocks the engine used (M8).
+    pub fn touch(&mut self, keys: &[Key]) {
+        self.manager.touch(keys);
+    }
+
+    /// Stores the blocks the model just computed: `blocks` pairs each key with its offset in
+    /// device memory. Absent keys get Pending slots and are copied device → region; when the
+    /// copy ends the core makes them Ready and cascades them (M6). Returns the transfer to
+    /// wait for, or `None` when every key was already stored.
+    pub fn store(
+        &mut self,
+        req: RequestId,
+        blocks: &[(Key, usize)],
+    ) -> Result<Option<TransferId>, HwError> {
+        self.poll();
+        let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
+        let prepared = self.manager.prepare_store(&keys)?;
+        self.pump();
+        if prepared.keys.is_empty() {
+            return Ok(None);
+        }
+        let offsets: BTreeMap<&Key, usize> = blocks.iter().map(|(k, o)| (k, *o)).collect();
+        let copies = prepared
+            .keys
+            .iter()
+            .zip(&prepared.slots)
+            .map(|(k, &slot)| BlockCopy {
+                slot,
+                device_offset: offsets[k],
+            })
+            .collect();
+        let id = self.start(req, Direction::ToRegion, prepared.keys.clone(), copies);
+        if let Err(e) = id {
+            // P9: the Pending slots go back; nothing was stored.
+            self.manager.complete_store(req, &prepared.keys, false);
+            self.pump();
+            return Err(e);
+        }
+        id.map(Some)
+    }
+
+    /// Loads Ready blocks to device memory (P11): pins them and copies region → device.
+    /// The pins are released when the copy ends (P13).
+    pub fn load(&mut self, req: RequestId, blocks: &[(Key, usize)]) -> Result<TransferId, HwError> {
+        self.poll();
+        let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
+        let slots = self.manager.prepare_load(&keys)?;
+        let copies = slots
+            .iter()
+            .zip(blocks)
+            .map(|(&slot, (_, o))| BlockCopy {
+                slot,
+                device_offset: *o,
+            })
+            .collect();
+        let id = self.start(req, Direction::ToDevice, keys.clone(), copies);
+        if id.is_err() {
+            self.manager
+                .complete_load(&keys)
+                .expect("the pins just taken are released");
+        }
+        id
+    }
+
+    fn start(
+        &mut self,
+        request: RequestId,
+        direction: Direction,
+        keys: Vec<Key>,
+        copies: Vec<BlockCopy>,
+    ) -> Result<TransferId, HwError> {
+        let id = TransferId(self.next_transfer);
+        self.next_transfer += 1;
+        self.engine.submit(
+            CopyJob {
+                id,
+                direction,
+                copies,
+            },
+            &self.done,
+        )?;
+        self.transfers.insert(
+            id,
+            PendingTransfer {
+                request,
+                direction,
+                keys,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Waits until transfer `id` ends, applying every completion that arrives meanwhile.
+    pub fn wait(&mut self, id: TransferId) -> Result<(), HwError> {
+        loop {
+            if let Some(r) = self.finished.remove(&id) {
+                return r.map_err(HwError::from);
+            }
+            if !self.transfers.contains_key(&id) {
+                return Err(HwError::Setup(format!("unknown transfer {}", id.0)));
+            }
+            self.wait_any(Duration::from_millis(100));
+        }
+    }
+
+    /// Applies every completion that has arrived, without waiting.
+    pub fn poll(&mut self) {
+        self.engine.poll(&self.done);
+        let mut batch = Vec::new();
+        self.done.drain_into(&mut batch);
+        for c in batch {
+            self.apply(c);
+        }
+    }
+
+    /// Waits up to `timeout` for at least one completion and applies it (and every other
+    /// one queued). Returns at once when nothing is in flight.
+    pub fn wait_any(&mut self, timeout: Duration) {
+        if self.in_flight() == 0 {
+            return;
+        }
+        let polling = self.engine.poll(&self.done);
+        let wait = if polling {
+            timeout.min(Duration::from_micros(50))
+        } else {
+            timeout
+        };
+        if let Some(c) = self.done.pop_timeout(wait) {
+            self.apply(c);
+        }
+        self.poll();
+    }
+
+    fn apply(&mut self, c: Completion) {
+        match c {
+            Completion::Transfer {
+                id,
+                result,
+                bytes,
+                elapsed,
+            } => {
+                let Some(t) = self.transfers.remove(&id) else {
+                    tracing::error!(transfer = id.0, "completion of an unknown transfer");
+                    return;
+                };
+                let ok = result.is_ok();
+                let path = match t.direction {
+                    Direction::ToRegion => Path::Store,
+                    Direction::ToDevice => Path::Load,
+                };
+                self.metrics
+                    .record(path, ok, t.keys.len() as u64, bytes, elapsed);
+                if let Err(e) = &result {
+                    tracing::warn!(transfer = id.0, error = %e, "transfer failed");
+                }
+                match t.direction {
+                    // P8/P9: Ready and cascaded, or back to free.
+                    Direction::ToRegion => self.manager.complete_store(t.request, &t.keys, ok),
+                    // P13: the load pins go, whatever the copy's outcome.
+                    Direction::ToDevice => self
+                        .manager
+                        .complete_load(&t.keys)
+                        .expect("a load's own pins are held until its completion"),
+                }
+                self.finished.insert(id, result);
+                self.pump();
+            }
+            Completion::Tier(d) => self.apply_tier(d),
+        }
+    }
+
+    fn apply_tier(&mut self, d: TierDone) {
+        self.jobs_in_flight -= 1;
+        let ok = matches!(d.result.outcome, Outcome::Ok | Outcome::NotFound);
+        let blocks = match &d.result.outcome {
+            Outcome::Partial { succeeded } => succeeded.len() as u64,
+            _ => d.bytes / self.region.layout().row_bytes() as u64,
+        };
+        let path = match d.path {
+            JobPath::Cascade => Path::Cascade,
+            JobPath::Promote => Path::Promote,
+            JobPath::Probe => Path::Probe,
+        };
+        self.metrics.record(path, ok, blocks, d.bytes, d.elapsed);
+        if let Some(e) = &d.error {
+            tracing::debug!(tier = %d.tier, job = %d.result.job, error = %e, "tier job failed");
+        }
+        if let Err(e) = self.manager.handle_job_result(d.result) {
+            // Only a closed manager or a driver bug gets here; the core's state is unchanged.
+            tracing::error!(error = %e, "tier job result refused");
+        }
+    }
+
+    /// Drains every effect of the core into the engine and the tiers.
+    fn pump(&mut self) {
+        while let Some(effect) = self.manager.poll_effect() {
+            match effect {
+                Effect::Submit(job) => {
+                    let tier = job.tier;
+                    match self.tiers[tier.index()].submit(job) {
+                        Ok(()) => self.jobs_in_flight += 1,
+                        Err(job) => {
+                            let _ = self.manager.handle_job_result(JobResult {
+                                job: job.id,
+                                outcome: Outcome::Failed,
+                            });
+                        }
+                    }
+                }
+                Effect::Delete { tier, keys } => {
+                    let store = &self.tiers[tier.index()].store;
+                    for key in &keys {
+                        if let Err(e) = store.delete(key) {
+                            tracing::warn!(%tier, %key, error = %e, "delete failed");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the step (M5): applies completions, submits the step's promotions and due probes.
+    pub fn end_step(&mut self) {
+        self.poll();
+        self.manager.end_step();
+        self.pump();
+    }
+
+    /// Waits for all IO in flight and applies it, ending steps so that promotions are
+    /// submitted and results collected, until nothing is outstanding or `max_steps` passed.
+    pub fn settle(&mut self, max_steps: u32) {
+        for _ in 0..max_steps {
+            while self.in_flight() > 0 {
+                self.wait_any(Duration::from_millis(100));
+            }
+            self.end_step();
+            if self.in_flight() == 0 && self.manager.outstanding_jobs().next().is_none() {
+                return;
+            }
+        }
+    }
+
+    /// M10: waits (up to the configured timeout) for IO in flight, then ends every job the
+    /// core still counts as failed and stops the IO threads. Nothing stored in a persistent
+    /// tier is lost: its blocks are on disk and found at the next open.
+    pub fn shutdown(mut self) -> ShutdownReport {
+        self.shutdown_inner()
+    }
+
+    fn shutdown_inner(&mut self) -> ShutdownReport {
+        if self.closed {
+            return ShutdownReport::default();
+        }
+        self.closed = true;
+        let before = self.in_flight() as u64;
+        let deadline = Instant::now() + self.options.shutdown_timeout;
+        while self.in_flight() > 0 && Instant::now() < deadline {
+            self.wait_any(Duration::from_millis(50));
+        }
+        let abandoned = self.in_flight() as u64;
+        let ended_failed = self
+            .manager
+            .outstanding_jobs()
+            .filter(|j| !self.manager.is_reported(j.id))
+            .count() as u64;
+        self.manager.shutdown();
+        let mut handles = Vec::new();
+        for t in &mut self.tiers {
+            handles.extend(t.stop());
+        }
+        self.done.close();
+        if abandoned == 0 {
+            for h in handles {
+                let _ = h.join();
+            }
+        }
+        let report = ShutdownReport {
+            drained: before - abandoned,
+            ended_failed,
+            abandoned,
+        };
+        tracing::info!(?report, "driver shut down");
+        report
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.shutdown_inner();
+    }
+}

@@ -1,0 +1,223 @@
+//! GPU ↔ CPU transfer engines: one trait, a host engine (here), a CUDA engine (`cuda` feature).
+//!
+//! A transfer is a batch of block copies between "device" memory (GPU memory, or a host
+//! buffer standing in for it) and one worker's sub-slots of the primary region. Its end is
+//! reported as data, a [`Completion`] on the driver's queue, exactly once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_core::SlotId;
+
+use crate::queue::Queue;
+use crate::region::{HostMemory, Region, RegionError};
+
+/// Identifies one transfer of one driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TransferId(pub u64);
+
+/// Which way a transfer copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Device → region: a store of freshly computed blocks.
+    ToRegion,
+    /// Region → device: a load of hit blocks.
+    ToDevice,
+}
+
+/// One block's copy: a primary slot and where the block lives in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    /// The primary slot (the worker's sub-slot of its row).
+    pub slot: SlotId,
+    /// Byte offset of the block in device memory.
+    pub device_offset: usize,
+}
+
+/// A batch of copies in one direction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyJob {
+    /// Its id, echoed in the completion.
+    pub id: TransferId,
+    /// Which way.
+    pub direction: Direction,
+    /// The copies, each of the region's block bytes per worker.
+    pub copies: Vec<BlockCopy>,
+}
+
+/// Why a transfer failed or was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A copy named memory outside the region or the device, or device memory in use.
+    #[error("transfer refused: {0}")]
+    Memory(#[from] RegionError),
+    /// The engine has shut down.
+    #[error("the transfer engine has stopped")]
+    Stopped,
+    /// The GPU driver reported an error, or is absent.
+    #[error("GPU: {0}")]
+    Gpu(String),
+}
+
+/// The end of one piece of IO, pushed by IO threads (or engine polling) to the driver.
+#[derive(Debug)]
+pub enum Completion {
+    /// A transfer ended.
+    Transfer {
+        /// Which.
+        id: TransferId,
+        /// Whether every copy succeeded.
+        result: Result<(), EngineError>,
+        /// Bytes copied.
+        bytes: u64,
+        /// From submission to end.
+        elapsed: Duration,
+    },
+    /// A tier job ended.
+    Tier(crate::io::TierDone),
+}
+
+/// The completion queue of one driver.
+pub type Completions = Arc<Queue<Completion>>;
+
+/// Moves blocks between device memory and the primary region.
+pub trait TransferEngine: Send {
+    /// A short name for reports ("host", "cuda").
+    fn name(&self) -> &'static str;
+
+    /// Starts `job`. Its completion arrives on `done` (pushed by the engine's threads) or
+    /// from [`poll`](Self::poll). A refused job (`Err`) reports no completion.
+    fn submit(&mut self, job: CopyJob, done: &Completions) -> Result<(), EngineError>;
+
+    /// Pushes the completions of transfers that ended since the last call, for engines that
+    /// learn of them by polling. Returns whether transfers are still in flight.
+    fn poll(&mut self, done: &Completions) -> bool;
+}
+
+enum Task {
+    Copy(CopyJob, Instant),
+}
+
+/// The host engine: device memory is a [`HostMemory`] buffer, copies run on a thread pool.
+pub struct HostEngine {
+    tasks: Arc<Queue<(Task, Completions)>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    region: Arc<Region>,
+    device: Arc<HostMemory>,
+}
+
+impl HostEngine {
+    /// An engine copying between `device` and `worker`'s sub-slots of `region` on `threads`
+    /// threads.
+    pub fn new(region: Arc<Region>, device: Arc<HostMemory>, worker: u16, threads: usize) -> Self {
+        let tasks: Arc<Queue<(Task, Completions)>> = Arc::new(Queue::new());
+        let threads = (0..threads.max(1))
+            .map(|i| {
+                let tasks = tasks.clone();
+                let region = region.clone();
+                let device = device.clone();
+                std::thread::Builder::new()
+                    .name(format!("kvtier-copy-{i}"))
+                    .spawn(move || {
+                        while let Some((Task::Copy(job, started), done)) = tasks.pop() {
+                            let c = run_copy(&region, &device, worker, job, started);
+                            // A closed queue means the driver is gone; nobody waits for it.
+                            let _ = done.push(c);
+                        }
+                    })
+                    .expect("spawn copy thread")
+            })
+            .collect();
+        HostEngine {
+            tasks,
+            threads,
+            region,
+            device,
+        }
+    }
+
+    /// The device memory this engine copies to and from.
+    pub fn device(&self) -> &Arc<HostMemory> {
+        &self.device
+    }
+
+    fn ranges(&self, job: &CopyJob) -> Vec<(usize, usize)> {
+        let len = self.region.layout().block_bytes_per_worker;
+        job.copies.iter().map(|c| (c.device_offset, len)).collect()
+    }
+}
+
+fn run_copy(
+    region: &Region,
+    device: &HostMemory,
+    worker: u16,
+    job: CopyJob,
+    started: Instant,
+) -> Completion {
+    let len = region.layout().block_bytes_per_worker;
+    let ranges: Vec<(usize, usize)> = job.copies.iter().map(|c| (c.device_offset, len)).collect();
+    let mut result = Ok(());
+    for c in &job.copies {
+        // The job's claim on these device bytes (taken at submit) and the core's ownership of
+        // the slot (Pending for a store, pinned for a load) make both sides exclusive.
+        let r = match job.direction {
+            Direction::ToRegion => device
+                .with_claimed(c.device_offset, len, |src| {
+                    region.write_sub(c.slot, worker, src)
+                })
+                .and_then(|r| r),
+            Direction::ToDevice => device
+                .with_claimed_mut(c.device_offset, len, |dst| {
+                    region.read_sub(c.slot, worker, dst)
+                })
+                .and_then(|r| r),
+        };
+        if let Err(e) = r {
+            result = Err(EngineError::Memory(e));
+            break;
+        }
+    }
+    device.release(&ranges);
+    Completion::Transfer {
+        id: job.id,
+        bytes: if result.is_ok() {
+            (len * job.copies.len()) as u64
+        } else {
+            0
+        },
+        result,
+        elapsed: started.elapsed(),
+    }
+}
+
+impl TransferEngine for HostEngine {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn submit(&mut self, job: CopyJob, done: &Completions) -> Result<(), EngineError> {
+        let ranges = self.ranges(&job);
+        self.device.claim(&ranges)?;
+        if let Err((Task::Copy(job, _), _)) = self
+            .tasks
+            .push((Task::Copy(job, Instant::now()), done.clone()))
+        {
+            self.device.release(&self.ranges(&job));
+            return Err(EngineError::Stopped);
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, _done: &Completions) -> bool {
+        false
+    }
+}
+
+impl Drop for HostEngine {
+    fn drop(&mut self) {
+        self.tasks.close();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

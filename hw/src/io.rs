@@ -1,0 +1,174 @@
+//! A secondary tier's IO threads: they run the core's jobs against a [`SecondaryStore`],
+//! reading and writing primary rows, and report each job's end exactly once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_core::{Job, JobKind, JobResult, Outcome, TierId};
+
+use crate::engine::{Completion, Completions};
+use crate::queue::Queue;
+use crate::region::Region;
+use crate::store::{SecondaryStore, StoreError};
+
+/// What a tier job moved, for the report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobPath {
+    /// A cascade: primary → tier.
+    Cascade,
+    /// A promotion: tier → primary.
+    Promote,
+    /// An existence probe or a health probe.
+    Probe,
+}
+
+/// The end of one tier job.
+#[derive(Debug)]
+pub struct TierDone {
+    /// The tier.
+    pub tier: TierId,
+    /// The result for the core.
+    pub result: JobResult,
+    /// What kind of job it was.
+    pub path: JobPath,
+    /// Bytes moved by the blocks that succeeded.
+    pub bytes: u64,
+    /// From submission to end.
+    pub elapsed: Duration,
+    /// The first store error, if any (for logs and counts).
+    pub error: Option<String>,
+}
+
+/// One tier's job queue and IO threads.
+pub(crate) struct TierIo {
+    pub(crate) store: Arc<dyn SecondaryStore>,
+    jobs: Arc<Queue<(Job, Instant)>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl TierIo {
+    pub(crate) fn start(
+        tier: TierId,
+        store: Arc<dyn SecondaryStore>,
+        region: Arc<Region>,
+        done: Completions,
+        threads: usize,
+    ) -> Self {
+        let jobs: Arc<Queue<(Job, Instant)>> = Arc::new(Queue::new());
+        let threads = (0..threads.max(1))
+            .map(|i| {
+                let (jobs, store, region, done) =
+                    (jobs.clone(), store.clone(), region.clone(), done.clone());
+                std::thread::Builder::new()
+                    .name(format!("kvtier-tier{}-{i}", tier.0))
+                    .spawn(move || {
+                        while let Some((job, started)) = jobs.pop() {
+                            let d = run_job(tier, &*store, &region, job, started);
+                            let _ = done.push(Completion::Tier(d));
+                        }
+                    })
+                    .expect("spawn tier IO thread")
+            })
+            .collect();
+        TierIo {
+            store,
+            jobs,
+            threads,
+        }
+    }
+
+    /// Queues `job`; hands it back if the threads have stopped.
+    pub(crate) fn submit(&self, job: Job) -> Result<(), Job> {
+        self.jobs.push((job, Instant::now())).map_err(|(j, _)| j)
+    }
+
+    /// Stops taking jobs; queued ones still run. Returns the thread handles to join.
+    pub(crate) fn stop(&mut self) -> Vec<std::thread::JoinHandle<()>> {
+        self.jobs.close();
+        std::mem::take(&mut self.threads)
+    }
+}
+
+fn run_job(
+    tier: TierId,
+    store: &dyn SecondaryStore,
+    region: &Region,
+    job: Job,
+    started: Instant,
+) -> TierDone {
+    let row = region.layout().row_bytes() as u64;
+    let mut error: Option<StoreError> = None;
+    let mut note = |e: StoreError| {
+        tracing::debug!(%tier, job = %job.id, error = %e, "tier operation failed");
+        error.get_or_insert(e);
+    };
+    let (path, outcome, bytes) = match &job.kind {
+        JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. } => {
+            let load = matches!(job.kind, JobKind::Load { .. });
+            let mut ok = Vec::with_capacity(blocks.len());
+            for b in blocks.iter() {
+                // Store: the slot is Ready and pinned by this job (I4); load: the slot is
+                // Promoting for this job (I5). Either way no one else writes the row.
+                let r = if load {
+                    region.with_row_mut(b.slot, |row| store.get(&b.key, row))
+                } else {
+                    region.with_row(b.slot, |row| store.put(&b.key, row))
+                };
+                match r {
+                    Ok(Ok(())) => ok.push(b.key.clone()),
+                    Ok(Err(e)) => note(e),
+                    Err(e) => note(StoreError::BadInput(e.to_string())),
+                }
+            }
+            let bytes = ok.len() as u64 * row;
+            let outcome = if ok.len() == blocks.len() {
+                Outcome::Ok
+            } else if ok.is_empty() {
+                Outcome::Failed
+            } else {
+                Outcome::Partial { succeeded: ok }
+            };
+            (
+                if load {
+                    JobPath::Promote
+                } else {
+                    JobPath::Cascade
+                },
+                outcome,
+                bytes,
+            )
+        }
+        JobKind::Exists { key } => {
+            let o = match store.contains(key) {
+                Ok(true) => Outcome::Ok,
+                Ok(false) => Outcome::NotFound,
+                Err(e) => {
+                    note(e);
+                    Outcome::Failed
+                }
+            };
+            (JobPath::Probe, o, 0)
+        }
+        JobKind::Health => {
+            let o = match store.check() {
+                Ok(()) => Outcome::Ok,
+                Err(e) => {
+                    note(e);
+                    Outcome::Failed
+                }
+            };
+            (JobPath::Probe, o, 0)
+        }
+    };
+    TierDone {
+        tier,
+        result: JobResult {
+            job: job.id,
+            outcome,
+        },
+        path,
+        bytes,
+        elapsed: started.elapsed(),
+        error: error.map(|e| e.to_string()),
+    }
+}

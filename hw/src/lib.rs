@@ -1,0 +1,70 @@
+//! kvtier-hw binds the pure `kvtier-core` state machine to real memory, GPUs and disks.
+//!
+//! - [`Region`]: the primary tier's bytes, a shared-memory file mapped by every worker process.
+//! - [`TransferEngine`]: GPU ↔ CPU copies; [`HostEngine`] here, `CudaEngine` with the `cuda`
+//!   feature.
+//! - [`SecondaryStore`]: a tier's block storage; [`FileStore`] is the persistent file tier,
+//!   [`FaultyStore`] injects faults into any store.
+//! - [`Driver`]: owns the core on one thread, drains its effects into the engine and the
+//!   tiers, and feeds completions back.
+//! - [`bench`](mod@bench): the `kvtier bench` workload, trace reader, Belady's optimum and report.
+//!
+//! Architecture invariant: only the driver thread calls the core; IO threads only push
+//! completions onto a [`Queue`].
+
+mod driver;
+mod engine;
+mod faulty;
+mod file;
+mod io;
+mod metrics;
+mod queue;
+#[allow(unsafe_code)]
+mod region;
+mod store;
+mod sync;
+
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda;
+
+pub mod bench;
+
+pub use driver::{Driver, DriverOptions, ShutdownReport};
+pub use engine::{
+    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, HostEngine,
+    TransferEngine, TransferId,
+};
+pub use faulty::{FaultCounts, FaultHandle, Faults, FaultyStore};
+pub use file::{DATA_FILE, FORMAT_VERSION, FileStore, MAX_KEY_BYTES, OpenReport};
+pub use io::{JobPath, TierDone};
+pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};
+pub use queue::Queue;
+pub use region::{HostMemory, Layout, PAGE, Region, RegionError, free_bytes, page_align};
+pub use store::{SecondaryStore, StoreError};
+
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaEngine, driver_present as cuda_driver_present};
+
+/// An error of the hardware layer.
+#[derive(Debug, thiserror::Error)]
+pub enum HwError {
+    /// The core refused a call (its state is unchanged).
+    #[error(transparent)]
+    Core(#[from] kvtier_core::Error),
+    /// The core's configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] kvtier_core::ConfigError),
+    /// The memory region could not be set up or used.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    /// A secondary store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A transfer failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The parts given to the driver do not fit together.
+    #[error("setup: {0}")]
+    Setup(String),
+}

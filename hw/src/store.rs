@@ -1,0 +1,108 @@
+//! The secondary-store seam: put, get and delete of one block in a tier.
+//!
+//! A store is shared by the tier's IO threads (`put`, `get`, `contains`, `check` run on them,
+//! concurrently) and the driver thread (`delete`, in effect order). Which block may be read,
+//! written or deleted when is decided by the core's tier index: a store never evicts on its
+//! own, and the core never deletes a block that a job reads or writes (I8).
+
+use std::io;
+use std::path::PathBuf;
+
+use kvtier_core::{Key, TierKind};
+
+/// Why a store operation failed. Inside the core every one of these is just a failed job
+/// (`Outcome::Failed`); the kind is logged and counted.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store does not hold the key.
+    #[error("block {key} not found")]
+    NotFound {
+        /// The block.
+        key: Key,
+    },
+    /// What was read back is not what was written: never served.
+    #[error("block {key} failed verification: {reason}")]
+    Corrupt {
+        /// The block.
+        key: Key,
+        /// What did not match.
+        reason: &'static str,
+    },
+    /// No record is free (the core's index and the store disagree about capacity).
+    #[error("store full: no free record for block {key}")]
+    Full {
+        /// The block.
+        key: Key,
+    },
+    /// The disk has no room.
+    #[error("no space left: {path} needs {needed} bytes, {available} are free")]
+    NoSpace {
+        /// The file.
+        path: PathBuf,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes free.
+        available: u64,
+    },
+    /// A block or key of the wrong size.
+    #[error("bad block: {0}")]
+    BadInput(String),
+    /// An existing store was created with another layout; opening it would lose its blocks.
+    #[error(
+        "store at {path} has {found}, this configuration asks for {expected}; use the same settings or another path"
+    )]
+    Layout {
+        /// The store's files.
+        path: PathBuf,
+        /// What is on disk.
+        found: String,
+        /// What the configuration asks for.
+        expected: String,
+    },
+    /// An IO call failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+    /// The store cannot be reached (a dead server, an injected fault).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// One secondary tier's storage of blocks, each a row of the primary region.
+pub trait SecondaryStore: Send + Sync + 'static {
+    /// A short name for logs and reports ("file", "remote").
+    fn name(&self) -> &str;
+
+    /// Authoritative (only this node writes it) or shared (other nodes write it too).
+    fn kind(&self) -> TierKind;
+
+    /// How many blocks it holds at most.
+    fn capacity_blocks(&self) -> u32;
+
+    /// Writes `block` under `key`. Called on an IO thread.
+    fn put(&self, key: &Key, block: &[u8]) -> Result<(), StoreError>;
+
+    /// Reads `key` into `block` and verifies it (key, length, checksum): on `Ok` the bytes
+    /// are exactly the ones `put` wrote. Called on an IO thread.
+    fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError>;
+
+    /// Forgets `key`; its room may be reused by the next `put`. Called on the driver thread
+    /// in effect order, before any later `put` of the same tier is submitted: it must not
+    /// block for long.
+    fn delete(&self, key: &Key) -> Result<(), StoreError>;
+
+    /// Whether the store holds `key` (a shared tier's existence probe). Called on an IO thread.
+    fn contains(&self, key: &Key) -> Result<bool, StoreError>;
+
+    /// A health probe: `Ok` when the store can serve again. Called on an IO thread.
+    fn check(&self) -> Result<(), StoreError>;
+
+    /// The keys the store held when it was opened, oldest first (durability, ★6).
+    fn recovered(&self) -> Vec<Key>;
+}

@@ -1,0 +1,353 @@
+//! The driver end to end over real parts: a shared region in a temporary directory, the host
+//! transfer engine, and a file tier on disk. Each test names the contract rule it checks.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use kvtier_core::{Config, Health, Key, Lookup, RequestId, TierConfig, TierKind};
+use kvtier_hw::{
+    Driver, DriverOptions, FaultHandle, Faults, FaultyStore, FileStore, HostEngine, HostMemory,
+    Layout, PAGE, Region, SecondaryStore,
+};
+
+const SLOTS: u32 = 4;
+const BLOCK: usize = 2 * PAGE;
+const DEVICE_BLOCKS: usize = 16;
+
+/// A block's content: every byte depends on the key and its position.
+fn content(key: &Key) -> Vec<u8> {
+    let seed = key.hash64();
+    (0..BLOCK)
+        .map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i / 64) as u8)
+        .collect()
+}
+
+fn key(i: u32) -> Key {
+    Key::new(format!("block-{i}").as_bytes())
+}
+
+struct Rig {
+    driver: Driver,
+    device: Arc<HostMemory>,
+}
+
+fn open_store(dir: &Path) -> Arc<FileStore> {
+    Arc::new(
+        FileStore::open(dir, BLOCK, 16 * (BLOCK + PAGE) as u64 + PAGE as u64)
+            .expect("file tier opens"),
+    )
+}
+
+fn rig(dir: &Path, store: Arc<dyn SecondaryStore>) -> Rig {
+    let layout = Layout::new(SLOTS, 1, BLOCK).unwrap();
+    let region = Arc::new(Region::create(&dir.join("region"), layout, 2).expect("region"));
+    let device = Arc::new(HostMemory::new(DEVICE_BLOCKS * BLOCK).unwrap());
+    let engine = HostEngine::new(region.clone(), device.clone(), 0, 2);
+    let mut config = Config::new(SLOTS);
+    config.tiers = vec![TierConfig::new(
+        TierKind::Authoritative,
+        store.capacity_blocks(),
+    )];
+    config.health.failures_to_down = 2;
+    config.health.probe_interval_steps = 3;
+    config.promotion_cooldown_steps = 4;
+    let driver = Driver::new(
+        config,
+        region,
+        Box::new(engine),
+        vec![store],
+        DriverOptions::default(),
+    )
+    .expect("driver starts");
+    Rig { driver, device }
+}
+
+impl Rig {
+    /// Computes `k` on the "GPU" at device block `at` and stores it; waits for the copy.
+    fn store(&mut self, k: &Key, at: usize) {
+        self.device.write(at * BLOCK, &content(k)).unwrap();
+        if let Some(t) = self
+            .driver
+            .store(RequestId(1), &[(k.clone(), at * BLOCK)])
+            .unwrap()
+        {
+            self.driver.wait(t).unwrap();
+        }
+    }
+
+    /// Looks `k` up step after step until the answer is not Retry.
+    fn lookup(&mut self, k: &Key) -> Lookup {
+        for _ in 0..20 {
+            match self.driver.lookup(RequestId(2), k) {
+                Lookup::Retry => self.driver.settle(1),
+                other => return other,
+            }
+        }
+        panic!("{k} stayed Retry for 20 steps");
+    }
+
+    /// Loads `k` into device block `at` and returns the bytes there.
+    fn load(&mut self, k: &Key, at: usize) -> Vec<u8> {
+        let t = self
+            .driver
+            .load(RequestId(2), &[(k.clone(), at * BLOCK)])
+            .unwrap();
+        self.driver.wait(t).unwrap();
+        let mut out = vec![0; BLOCK];
+        self.device.read(at * BLOCK, &mut out).unwrap();
+        out
+    }
+
+    fn fill(&mut self, n: u32) {
+        for i in 0..n {
+            self.store(&key(i), i as usize % 8);
+            self.driver.settle(2);
+        }
+    }
+}
+
+/// ★1, M4, M6: store → cascade → evicted from the primary → promoted from the file tier →
+/// loaded to the device with the bytes that were stored.
+#[test]
+fn promotion_from_the_file_tier_returns_the_stored_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(dir.path(), open_store(&dir.path().join("tier")));
+    r.fill(8);
+    let tier = r.driver.manager().tier(kvtier_core::TierId(0)).unwrap();
+    assert_eq!(tier.len(), 8, "every block cascaded");
+    assert!(
+        r.driver.manager().primary().state_of(&key(0)).is_none(),
+        "key 0 evicted from the primary"
+    );
+    for i in 0..8 {
+        assert_eq!(r.lookup(&key(i)), Lookup::Hit, "block {i}");
+        assert_eq!(r.load(&key(i), 12), content(&key(i)), "block {i} bytes");
+    }
+    assert!(r.driver.manager().stats().promotions_succeeded >= 4);
+    r.driver.manager().check_invariants().unwrap();
+}
+
+/// ★6: blocks survive a restart: a new driver over the reopened file tier finds them and
+/// verifies them on promotion.
+#[test]
+fn restart_finds_every_block_again() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut r = rig(dir.path(), open_store(&dir.path().join("tier")));
+        r.fill(8);
+        let report = r.driver.shutdown();
+        assert_eq!(report.abandoned, 0);
+    }
+    let store = open_store(&dir.path().join("tier"));
+    assert_eq!(store.open_report().recovered, 8);
+    assert_eq!(store.open_report().corrupt, 0);
+    let mut r = rig(dir.path(), store);
+    for i in 0..8 {
+        assert_eq!(r.lookup(&key(i)), Lookup::Hit, "block {i} after restart");
+        assert_eq!(r.load(&key(i), 9), content(&key(i)));
+    }
+}
+
+fn damage(dir: &Path, offset: u64, bytes: &[u8]) {
+    let f = OpenOptions::new()
+        .write(true)
+        .open(dir.join("tier").join(kvtier_hw::DATA_FILE))
+        .unwrap();
+    f.write_all_at(bytes, offset).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// ★1: a flipped byte on disk fails the promotion: the lookup ends Miss, never a Hit with
+/// wrong bytes.
+#[test]
+fn a_corrupt_record_is_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(&dir.path().join("tier"));
+    let mut r = rig(dir.path(), store.clone());
+    r.fill(8);
+    let at = store.record_offset(&key(1)).unwrap() + PAGE as u64 + 100;
+    damage(dir.path(), at, &[0x5a]);
+    assert_eq!(
+        r.lookup(&key(1)),
+        Lookup::Miss,
+        "a failed promotion cools down to Miss (★2)"
+    );
+    let stats = r.driver.manager().stats();
+    assert_eq!(stats.promotions_failed, 1);
+    assert_eq!(stats.tiers[0].1.read_failures, 1);
+    // The other blocks are intact and still served.
+    assert_eq!(r.lookup(&key(2)), Lookup::Hit);
+    assert_eq!(r.load(&key(2), 12), content(&key(2)));
+}
+
+/// ★6: a torn write (half a record's payload never reached the disk) and a data file cut
+/// short are dropped at open and counted; the other blocks are found.
+#[test]
+fn torn_and_truncated_records_are_dropped_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let (torn, last) = {
+        let store = open_store(&dir.path().join("tier"));
+        let mut r = rig(dir.path(), store.clone());
+        r.fill(8);
+        let torn = store.record_offset(&key(3)).unwrap();
+        let last = store.record_offset(&key(7)).unwrap();
+        drop(r);
+        (torn, last)
+    };
+    damage(
+        dir.path(),
+        torn + PAGE as u64 + BLOCK as u64 / 2,
+        &vec![0; BLOCK / 2],
+    );
+    let data = dir.path().join("tier").join(kvtier_hw::DATA_FILE);
+    OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(last + PAGE as u64 + 100)
+        .unwrap();
+    let store = open_store(&dir.path().join("tier"));
+    assert_eq!(store.open_report().corrupt, 2, "{:?}", store.open_report());
+    assert_eq!(store.open_report().recovered, 6);
+    assert!(!store.contains(&key(3)).unwrap());
+    assert!(!store.contains(&key(7)).unwrap());
+    let mut r = rig(dir.path(), store);
+    assert_eq!(r.lookup(&key(3)), Lookup::Miss);
+    assert_eq!(r.lookup(&key(4)), Lookup::Hit);
+    assert_eq!(r.load(&key(4), 10), content(&key(4)));
+}
+
+fn faulty(dir: &Path) -> (Arc<dyn SecondaryStore>, FaultHandle) {
+    let f = FaultyStore::new(open_store(&dir.join("tier")));
+    let h = f.faults();
+    (Arc::new(f), h)
+}
+
+/// ★3, M9, H1–H6: a full disk fails the cascades; the tier goes Down, the primary keeps every
+/// block (nothing lost), and a health probe brings the tier back once there is room again.
+#[test]
+fn a_full_disk_takes_the_tier_down_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, faults) = faulty(dir.path());
+    let mut r = rig(dir.path(), store);
+    faults.set(Faults {
+        space_left: Some(0),
+        ..Faults::default()
+    });
+    r.fill(3);
+    let stats = r.driver.manager().stats();
+    assert!(
+        matches!(stats.tiers[0].0, Health::Down { .. } | Health::Probing),
+        "{:?}",
+        stats.tiers[0]
+    );
+    assert_eq!(stats.tiers[0].1.went_down, 1);
+    for i in 0..3 {
+        assert_eq!(
+            r.lookup(&key(i)),
+            Lookup::Hit,
+            "block {i} stays in the primary"
+        );
+        assert_eq!(r.load(&key(i), 12), content(&key(i)));
+    }
+    faults.set(Faults::default());
+    for _ in 0..4 {
+        r.driver.settle(1); // steps pass until the probe is due, then it runs
+    }
+    let stats = r.driver.manager().stats();
+    assert_eq!(stats.tiers[0].0, Health::Up, "the probe found room again");
+    assert_eq!(stats.tiers[0].1.came_up, 1);
+    r.fill(8);
+    // Blocks 0–2 were stored while the tier was Down: they stay primary-only (a cascade
+    // happens once, at store time); 3–7 cascade normally.
+    assert_eq!(
+        r.driver
+            .manager()
+            .tier(kvtier_core::TierId(0))
+            .unwrap()
+            .len(),
+        5
+    );
+}
+
+/// ★1, ★2: a store that hands back corrupt bytes fails every promotion; lookups end Miss and
+/// the primary's own blocks are unaffected.
+#[test]
+fn failed_reads_answer_miss_never_wrong_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, faults) = faulty(dir.path());
+    let mut r = rig(dir.path(), store);
+    r.fill(8);
+    faults.set(Faults {
+        corrupt_gets: true,
+        ..Faults::default()
+    });
+    assert_eq!(r.lookup(&key(0)), Lookup::Miss);
+    assert_eq!(r.lookup(&key(7)), Lookup::Hit, "still in the primary");
+    assert_eq!(r.load(&key(7), 3), content(&key(7)));
+    assert!(faults.counts().injected >= 1);
+}
+
+/// M10: shutdown with jobs in flight ends every one of them and leaves the tier's blocks on
+/// disk.
+#[test]
+fn shutdown_ends_every_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(dir.path(), open_store(&dir.path().join("tier")));
+    for i in 0..4 {
+        r.store(&key(i), i as usize);
+    }
+    let report = r.driver.shutdown();
+    assert_eq!(report.abandoned, 0);
+    let store = open_store(&dir.path().join("tier"));
+    assert_eq!(
+        store.open_report().recovered,
+        4,
+        "the cascades in flight reached the disk"
+    );
+}
+
+/// Region: a second process's view attaches with the same layout and refuses another one.
+#[test]
+fn region_attach_checks_the_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("region");
+    let layout = Layout::new(8, 2, 3000).unwrap();
+    assert_eq!(layout.sub_slot_bytes(), PAGE);
+    assert_eq!(layout.row_bytes(), 2 * PAGE);
+    let owner = Region::create(&path, layout, 2).unwrap();
+    let mode = std::fs::metadata(&path).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+        0o600
+    );
+    assert!(matches!(
+        Region::create(&path, layout, 1),
+        Err(kvtier_hw::RegionError::Exists { .. })
+    ));
+    Region::attach(&path, layout, std::time::Duration::from_millis(10), 1).unwrap();
+    let other = Layout::new(9, 2, 3000).unwrap();
+    assert!(matches!(
+        Region::attach(&path, other, std::time::Duration::from_millis(10), 1),
+        Err(kvtier_hw::RegionError::SizeMismatch { .. })
+    ));
+    drop(owner);
+    assert!(!path.exists(), "the owner removes the region");
+    assert!(matches!(
+        Region::attach(&path, layout, std::time::Duration::from_millis(20), 1),
+        Err(kvtier_hw::RegionError::AttachTimeout { .. })
+    ));
+}
+
+/// A file tier opened with another block size refuses instead of losing its blocks.
+#[test]
+fn a_file_tier_keeps_its_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(open_store(dir.path()));
+    let err = FileStore::open(dir.path(), 2 * BLOCK, 1 << 20).unwrap_err();
+    assert!(err.to_string().contains("8192-byte blocks"), "{err}");
+    let err = FileStore::open(dir.path(), BLOCK, 4 * (BLOCK + PAGE) as u64).unwrap_err();
+    assert!(err.to_string().contains("smaller capacity"), "{err}");
+}
