@@ -44,6 +44,10 @@ pub struct TierReport {
     pub failures: u64,
     /// Its health at the end.
     pub health: String,
+    /// Blocks found on disk at start (a persistent tier reused from an earlier run).
+    pub recovered: u64,
+    /// Whether its IO bypasses the page cache (`O_DIRECT`).
+    pub direct_io: bool,
 }
 
 /// What a bench run measured.
@@ -180,6 +184,7 @@ pub fn run(
     )?);
     let mut temp_dirs = Vec::new();
     let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
+    let mut opened = Vec::new();
     let mut config = Config::new(rows);
     config.policy = settings.policy;
     config.events = false;
@@ -201,6 +206,7 @@ pub fn run(
             }
         };
         let store = FileStore::open(&dir, row, t.capacity_bytes)?;
+        opened.push(store.open_report().clone());
         let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
         tc.policy = settings.policy;
         config.tiers.push(tc);
@@ -338,6 +344,8 @@ pub fn run(
             evictions: t.evictions,
             failures: t.write_failures + t.read_failures,
             health: format!("{health:?}"),
+            recovered: opened[i].recovered as u64,
+            direct_io: opened[i].direct_io,
         })
         .collect();
     driver.shutdown();
