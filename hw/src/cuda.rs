@@ -198,6 +198,8 @@ impl TransferEngine for CudaEngine {
                 bytes: if result.is_ok() { t.bytes } else { 0 },
                 result,
                 elapsed: t.started.elapsed(),
+                // The copies run on the GPU's copy engine from submission on.
+                service: t.started.elapsed(),
             });
         }
         !self.in_flight.is_empty()

@@ -335,6 +335,7 @@ impl Driver {
                 result,
                 bytes,
                 elapsed,
+                service,
             } => {
                 let Some(t) = self.transfers.remove(&id) else {
                     tracing::error!(transfer = id.0, "completion of an unknown transfer");
@@ -346,7 +347,7 @@ impl Driver {
                     Direction::ToDevice => Path::Load,
                 };
                 self.metrics
-                    .record(path, ok, t.keys.len() as u64, bytes, elapsed);
+                    .record(path, ok, t.keys.len() as u64, bytes, elapsed, service);
                 if let Err(e) = &result {
                     tracing::warn!(transfer = id.0, error = %e, "transfer failed");
                 }
@@ -378,7 +379,8 @@ impl Driver {
             JobPath::Promote => Path::Promote,
             JobPath::Probe => Path::Probe,
         };
-        self.metrics.record(path, ok, blocks, d.bytes, d.elapsed);
+        self.metrics
+            .record(path, ok, blocks, d.bytes, d.elapsed, d.service);
         if let Some(e) = &d.error {
             tracing::debug!(tier = %d.tier, job = %d.result.job, error = %e, "tier job failed");
         }

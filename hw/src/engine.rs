@@ -70,8 +70,10 @@ pub enum Completion {
         result: Result<(), EngineError>,
         /// Bytes copied.
         bytes: u64,
-        /// From submission to end.
+        /// From submission to end (its latency).
         elapsed: Duration,
+        /// From the start of its copies to end (its service time).
+        service: Duration,
     },
     /// A tier job ended.
     Tier(crate::io::TierDone),
@@ -154,6 +156,7 @@ fn run_copy(
     job: CopyJob,
     started: Instant,
 ) -> Completion {
+    let begun = Instant::now();
     let len = region.layout().block_bytes_per_worker;
     let ranges: Vec<(usize, usize)> = job.copies.iter().map(|c| (c.device_offset, len)).collect();
     let mut result = Ok(());
@@ -187,6 +190,7 @@ fn run_copy(
         },
         result,
         elapsed: started.elapsed(),
+        service: begun.elapsed(),
     }
 }
 

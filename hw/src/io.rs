@@ -33,8 +33,10 @@ pub struct TierDone {
     pub path: JobPath,
     /// Bytes moved by the blocks that succeeded.
     pub bytes: u64,
-    /// From submission to end.
+    /// From submission to end (its latency, queueing included).
     pub elapsed: Duration,
+    /// From the start of its IO to end (its service time).
+    pub service: Duration,
     /// The first store error, if any (for logs and counts).
     pub error: Option<String>,
 }
@@ -77,9 +79,17 @@ impl TierIo {
         }
     }
 
-    /// Queues `job`; hands it back if the threads have stopped.
+    /// Queues `job`; hands it back if the threads have stopped. Promotions and probes, which
+    /// a request or the tier's health waits for, go ahead of cascades (Q4).
     pub(crate) fn submit(&self, job: Job) -> Result<(), Job> {
-        self.jobs.push((job, Instant::now())).map_err(|(j, _)| j)
+        let urgent = !matches!(job.kind, JobKind::Store { .. });
+        let item = (job, Instant::now());
+        let pushed = if urgent {
+            self.jobs.push_urgent(item)
+        } else {
+            self.jobs.push(item)
+        };
+        pushed.map_err(|(j, _)| j)
     }
 
     /// Stops taking jobs; queued ones still run. Returns the thread handles to join.
@@ -96,6 +106,7 @@ fn run_job(
     job: Job,
     started: Instant,
 ) -> TierDone {
+    let begun = Instant::now();
     let row = region.layout().row_bytes() as u64;
     let mut error: Option<StoreError> = None;
     let mut note = |e: StoreError| {
@@ -169,6 +180,7 @@ fn run_job(
         path,
         bytes,
         elapsed: started.elapsed(),
+        service: begun.elapsed(),
         error: error.map(|e| e.to_string()),
     }
 }

@@ -52,7 +52,7 @@ pub struct PathMetrics {
     pub blocks: u64,
     /// Bytes moved successfully.
     pub bytes: u64,
-    /// Sum of every op's time from submission to end.
+    /// Sum of every op's service time (from the start of its IO to its end).
     pub busy: Duration,
     latencies_us: Vec<u32>,
 }
@@ -70,9 +70,9 @@ pub struct PathSummary {
     pub blocks: u64,
     /// Bytes moved.
     pub bytes: u64,
-    /// Bytes per second of op time (one op's rate, averaged over the bytes).
+    /// Bytes per second of service time: one op's rate, averaged over the bytes (GB = 1e9).
     pub gb_per_s: f64,
-    /// Median op latency in microseconds.
+    /// Median op latency (submission to end, queueing included) in microseconds.
     pub p50_us: u32,
     /// 99th percentile op latency in microseconds.
     pub p99_us: u32,
@@ -98,13 +98,22 @@ pub struct IoMetrics {
 
 impl IoMetrics {
     /// Records one op's end.
-    pub fn record(&mut self, path: Path, ok: bool, blocks: u64, bytes: u64, elapsed: Duration) {
+    /// `elapsed` is its latency (submission to end), `service` its time doing IO.
+    pub fn record(
+        &mut self,
+        path: Path,
+        ok: bool,
+        blocks: u64,
+        bytes: u64,
+        elapsed: Duration,
+        service: Duration,
+    ) {
         let m = &mut self.paths[path as usize];
         m.ops += 1;
         m.failed += u64::from(!ok);
         m.blocks += blocks;
         m.bytes += bytes;
-        m.busy += elapsed;
+        m.busy += service;
         m.latencies_us
             .push(elapsed.as_micros().min(u128::from(u32::MAX)) as u32);
     }

@@ -9,14 +9,24 @@
 //! - Q2: a blocked `pop` wakes when an item arrives or the queue closes (no lost wakeup).
 //! - Q3: after `close`, pushes are refused (the item is handed back), and pops drain what is
 //!   left, then answer `None`.
+//! - Q4: an urgent item is popped before every ordinary item still queued; each class is FIFO.
+//!   (A tier serves promotions, which a request waits for, before cascades, which nobody
+//!   waits for.)
 
 use std::collections::VecDeque;
 
 use crate::sync::{Condvar, Mutex, lock};
 
 struct State<T> {
+    urgent: VecDeque<T>,
     items: VecDeque<T>,
     closed: bool,
+}
+
+impl<T> State<T> {
+    fn pop(&mut self) -> Option<T> {
+        self.urgent.pop_front().or_else(|| self.items.pop_front())
+    }
 }
 
 /// A closable FIFO shared between threads (wrap it in an `Arc`).
@@ -36,6 +46,7 @@ impl<T> Queue<T> {
     pub fn new() -> Self {
         Queue {
             state: Mutex::new(State {
+                urgent: VecDeque::new(),
                 items: VecDeque::new(),
                 closed: false,
             }),
@@ -45,11 +56,24 @@ impl<T> Queue<T> {
 
     /// Q1, Q3: appends `item`, or hands it back if the queue is closed.
     pub fn push(&self, item: T) -> Result<(), T> {
+        self.push_to(item, false)
+    }
+
+    /// Q4: appends `item` ahead of every ordinary item, or hands it back if closed.
+    pub fn push_urgent(&self, item: T) -> Result<(), T> {
+        self.push_to(item, true)
+    }
+
+    fn push_to(&self, item: T, urgent: bool) -> Result<(), T> {
         let mut s = lock(&self.state);
         if s.closed {
             return Err(item);
         }
-        s.items.push_back(item);
+        if urgent {
+            s.urgent.push_back(item);
+        } else {
+            s.items.push_back(item);
+        }
         drop(s);
         self.ready.notify_one();
         Ok(())
@@ -59,7 +83,7 @@ impl<T> Queue<T> {
     pub fn pop(&self) -> Option<T> {
         let mut s = lock(&self.state);
         loop {
-            if let Some(item) = s.items.pop_front() {
+            if let Some(item) = s.pop() {
                 return Some(item);
             }
             if s.closed {
@@ -72,8 +96,9 @@ impl<T> Queue<T> {
     /// Moves every item now queued into `out`, without waiting. Returns how many.
     pub fn drain_into(&self, out: &mut Vec<T>) -> usize {
         let mut s = lock(&self.state);
-        let n = s.items.len();
-        out.extend(s.items.drain(..));
+        let n = s.urgent.len() + s.items.len();
+        let s = &mut *s;
+        out.extend(s.urgent.drain(..).chain(s.items.drain(..)));
         n
     }
 
@@ -93,7 +118,7 @@ impl<T> Queue<T> {
         let deadline = std::time::Instant::now() + timeout;
         let mut s = lock(&self.state);
         loop {
-            if let Some(item) = s.items.pop_front() {
+            if let Some(item) = s.pop() {
                 return Some(item);
             }
             let now = std::time::Instant::now();

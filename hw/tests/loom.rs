@@ -1,4 +1,4 @@
-//! loom checks of the queue between the driver and the IO threads (rules Q1–Q3 in
+//! loom checks of the queue between the driver and the IO threads (rules Q1–Q4 in
 //! `hw/src/queue.rs`), under every interleaving loom explores. Run with:
 //!
 //! ```sh
@@ -97,5 +97,32 @@ fn push_racing_close_is_either_delivered_or_refused() {
         }
         assert!(q.push(2).is_err());
         assert_eq!(q.pop(), None);
+    });
+}
+
+/// Q4: an urgent item (a promotion) overtakes ordinary ones (cascades) still queued, whatever
+/// the interleaving of the pushes with a consumer; nothing is lost.
+#[test]
+fn urgent_items_overtake_ordinary_ones() {
+    loom::model(|| {
+        let q: Arc<Queue<u32>> = Arc::new(Queue::new());
+        let producer = {
+            let q = q.clone();
+            thread::spawn(move || {
+                q.push(1).unwrap();
+                q.push(2).unwrap();
+                q.push_urgent(10).unwrap();
+            })
+        };
+        let first = q.pop().unwrap();
+        producer.join().unwrap();
+        let mut rest = Vec::new();
+        q.drain_into(&mut rest);
+        match first {
+            // Popped before the urgent item arrived: the urgent one leads what is left.
+            1 => assert_eq!(rest, vec![10, 2]),
+            2 => unreachable!("FIFO among ordinary items"),
+            _ => assert_eq!((first, rest), (10, vec![1, 2])),
+        }
     });
 }
