@@ -103,3 +103,29 @@ fn an_authoritative_tier_ignores_the_absent_ttl() {
     c.tiers = vec![t];
     Manager::new(c).unwrap();
 }
+
+/// The limits are inclusive: exactly `MAX_BLOCKS` slots or tier blocks and exactly
+/// `MAX_TIERS` tiers are valid (validation only: nothing is allocated).
+#[test]
+fn limits_are_inclusive() {
+    assert_eq!(
+        kvtier_core::MAX_BLOCKS,
+        (1 << 29) - 2,
+        "ids use 30 bits, ARC ghosts included"
+    );
+    assert_eq!(
+        kvtier_core::MAX_TIERS,
+        64,
+        "one cascade pin per tier fits the pin counter"
+    );
+    let mut c = Config::new(kvtier_core::MAX_BLOCKS);
+    c.validate().unwrap();
+    c.num_blocks = 4;
+    c.tiers = vec![TierConfig::new(TierKind::Authoritative, kvtier_core::MAX_BLOCKS); 64];
+    c.validate().unwrap();
+    c.tiers[63].capacity_blocks += 1;
+    assert!(matches!(
+        c.validate(),
+        Err(ConfigError::Invalid { field, .. }) if field == "tiers[63].capacity_blocks"
+    ));
+}

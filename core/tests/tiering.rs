@@ -242,6 +242,26 @@ fn failed_promotion_does_not_livelock() {
     assert_eq!(m.stats().promotions_failed, 1);
 }
 
+/// ★2: a cooldown is per (tier, key): while one block cools down, another block of the same
+/// tier still promotes.
+#[test]
+fn cooldown_skips_only_its_own_key() {
+    let mut c = Config::new(4);
+    c.tiers = vec![TierConfig::new(TierKind::Shared, 8)];
+    let mut m = manager_with(c);
+    in_tier(&mut m, T0, &[7, 8]);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    m.end_step();
+    let js = jobs(&drain(&mut m));
+    report(&mut m, &js, Outcome::Failed);
+    m.end_step();
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::Miss, "7 cools down");
+    assert_eq!(m.lookup(R1, &key(8)), Lookup::Retry, "8 is promoted");
+    m.end_step();
+    let js = jobs(&drain(&mut m));
+    assert_eq!(load_keys(&js[0]), keys([8]));
+}
+
 /// T11: a failed read on an authoritative tier drops the block and deletes it.
 #[test]
 fn failed_read_on_authoritative_tier_deletes_block() {

@@ -1,0 +1,140 @@
+//! The small public API around the state machine: keys, ids, accessors and counters. Each is
+//! observable by an embedding engine (logs, metrics, persistence), so each is pinned here.
+
+mod common;
+
+use common::*;
+use kvtier_core::{Config, JobResult, Key, Lookup, Outcome, TierConfig, TierId, TierKind};
+
+#[test]
+fn key_bytes_length_and_order() {
+    let k = Key::new(b"abc");
+    assert_eq!(k.as_bytes(), b"abc");
+    assert_eq!(k.as_ref(), b"abc");
+    assert_eq!(k.len(), 3);
+    assert!(!k.is_empty());
+    assert!(Key::new(b"").is_empty());
+    assert_eq!(Key::new(b"").len(), 0);
+    // Equal by bytes, also through different allocations; ordered by bytes.
+    assert_eq!(k, Key::new(b"abc"));
+    assert_ne!(k, Key::new(b"abd"));
+    assert!(Key::new(b"abc") < Key::new(b"abd"));
+    assert_eq!(
+        Key::new(b"b").partial_cmp(&Key::new(b"a")),
+        Some(std::cmp::Ordering::Greater)
+    );
+}
+
+/// The key hash is fixed (no seed): a block's hash is the same in every process and run, so
+/// it may be logged, compared across workers, and persisted.
+#[test]
+fn key_hash_is_fixed() {
+    let golden: [(&[u8], u64); 5] = [
+        (b"", 0xa2a2_5d17_7e4e_c0ef),
+        (b"a", 0xfcbf_0cc2_5cb6_6be0),
+        (b"12345678", 0x0c02_7f38_a416_ca04),
+        (b"123456789", 0x79f8_12d0_a682_8f0f),
+        (b"block hash + group id", 0x946b_5219_96c3_2ee0),
+    ];
+    for (bytes, want) in golden {
+        assert_eq!(
+            Key::new(bytes).hash64(),
+            want,
+            "{:?}",
+            String::from_utf8_lossy(bytes)
+        );
+    }
+    // `Hash` feeds exactly that value to the hasher.
+    use std::hash::{Hash, Hasher};
+    struct Record(Vec<u64>);
+    impl Hasher for Record {
+        fn finish(&self) -> u64 {
+            0
+        }
+        fn write(&mut self, _: &[u8]) {
+            unreachable!("only write_u64")
+        }
+        fn write_u64(&mut self, x: u64) {
+            self.0.push(x);
+        }
+    }
+    let mut r = Record(Vec::new());
+    Key::new(b"a").hash(&mut r);
+    assert_eq!(r.0, vec![Key::new(b"a").hash64()]);
+}
+
+#[test]
+fn key_display_and_debug() {
+    assert_eq!(Key::new(&[0xde, 0xad]).to_string(), "dead");
+    assert_eq!(Key::new(&[1; 8]).to_string(), "0101010101010101");
+    assert_eq!(Key::new(&[1; 9]).to_string(), "0101010101010101…");
+    assert_eq!(format!("{:?}", Key::new(&[0xab])), "Key(ab)");
+}
+
+#[test]
+fn step_reported_and_closed() {
+    let mut m = manager(2, &[4]);
+    assert_eq!(m.step(), 0);
+    m.end_step();
+    m.end_step();
+    assert_eq!(m.step(), 2);
+    store(&mut m, R1, &keys([1]));
+    let job = jobs(&drain(&mut m)).remove(0);
+    assert!(!m.is_reported(job.id));
+    m.handle_job_result(JobResult {
+        job: job.id,
+        outcome: Outcome::Ok,
+    })
+    .unwrap();
+    assert!(m.is_reported(job.id));
+    assert!(!m.is_closed());
+    m.shutdown();
+    assert!(m.is_closed());
+}
+
+/// Every counter of `Stats` and `TierStats` moves by exactly what happened.
+#[test]
+fn counters_count_exactly() {
+    let mut c = Config::new(2);
+    c.tiers = vec![TierConfig::new(TierKind::Authoritative, 4)];
+    let mut m = manager_with(c);
+    // Three blocks through a 2-slot primary: one eviction, three cascades of one block.
+    for i in 1..=3 {
+        store(&mut m, R1, &keys([i]));
+        complete_all(&mut m);
+        m.end_step();
+    }
+    m.end_step();
+    let s = m.stats();
+    assert_eq!(s.evictions, 1);
+    assert_eq!(s.tiers[0].1.cascades_submitted, 3);
+    assert_eq!(s.tiers[0].1.blocks_cascaded, 3);
+    assert_eq!(s.job_pins, 0);
+    // Lookups: a hit, a miss, a promotion (Retry), then its hit.
+    assert_eq!(m.lookup(R1, &key(3)), Lookup::Hit);
+    assert_eq!(m.lookup(R1, &key(9)), Lookup::Miss);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::Retry);
+    m.end_step();
+    complete_all(&mut m);
+    m.end_step();
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::Hit);
+    let s = m.stats();
+    assert_eq!((s.lookups, s.hits, s.misses, s.retries), (4, 2, 1, 1));
+    assert_eq!(
+        (
+            s.promotions_started,
+            s.promotions_succeeded,
+            s.promotions_failed
+        ),
+        (1, 1, 0)
+    );
+    assert_eq!(s.evictions, 2, "the promotion evicted one more block");
+    assert_eq!(s.tiers[0].1.hits, 1);
+    m.prepare_load(&keys([1, 1])).unwrap();
+    assert_eq!(m.stats().load_pins, 2);
+    m.complete_load(&keys([1, 1])).unwrap();
+    assert_eq!(m.stats().load_pins, 0);
+    assert_eq!(m.stats().jobs_outstanding, 0);
+    assert_eq!(m.stats().tiers[0].1.blocks, 3);
+    let _ = TierId(0);
+}
