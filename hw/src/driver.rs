@@ -203,7 +203,8 @@ impl Driver {
     /// Stores the blocks the model just computed: `blocks` pairs each key with its offset in
     /// device memory. Absent keys get Pending slots and are copied device → region; when the
     /// copy ends the core makes them Ready and cascades them (M6). Returns the transfer to
-    /// wait for, or `None` when every key was already stored.
+    /// wait for, or `None` when every key was already stored. The device bytes must stay as
+    /// they are until then; the transfer's result is kept until [`wait`](Self::wait) takes it.
     pub fn store(
         &mut self,
         req: RequestId,
@@ -237,7 +238,8 @@ impl Driver {
     }
 
     /// Loads Ready blocks to device memory (P11): pins them and copies region → device.
-    /// The pins are released when the copy ends (P13).
+    /// The pins are released when the copy ends (P13); the transfer's result is kept until
+    /// [`wait`](Self::wait) takes it.
     pub fn load(&mut self, req: RequestId, blocks: &[(Key, usize)]) -> Result<TransferId, HwError> {
         self.poll();
         let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
