@@ -351,3 +351,32 @@ fn a_file_tier_keeps_its_layout() {
     let err = FileStore::open(dir.path(), BLOCK, 4 * (BLOCK + PAGE) as u64).unwrap_err();
     assert!(err.to_string().contains("smaller capacity"), "{err}");
 }
+
+/// A region or a file tier larger than the free space is refused at once with a clear error,
+/// leaving nothing behind that a later open would misread.
+#[test]
+fn no_room_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let free = kvtier_hw::free_bytes(dir.path()).unwrap();
+    let rows = u32::try_from(free / (1 << 20) + 16).unwrap();
+    let huge = Layout::new(rows, 1, 1 << 20).unwrap();
+    let path = dir.path().join("region");
+    let err = Region::create(&path, huge, 1).unwrap_err();
+    assert!(
+        matches!(err, kvtier_hw::RegionError::NoSpace { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("not enough room"), "{err}");
+    assert!(!path.exists());
+    let tier = dir.path().join("tier");
+    let err = FileStore::open(&tier, BLOCK, free + (64 << 20)).unwrap_err();
+    assert!(
+        matches!(err, kvtier_hw::StoreError::NoSpace { .. }),
+        "{err}"
+    );
+    let store = open_store(&tier);
+    assert!(
+        store.open_report().created,
+        "the failed open left nothing to misread"
+    );
+}

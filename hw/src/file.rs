@@ -225,7 +225,8 @@ impl FileStore {
         let records = records as u32;
         std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
         let path = dir.join(DATA_FILE);
-        let created = !path.exists();
+        // A data file without a superblock yet (an open that failed while creating it) is new.
+        let created = std::fs::metadata(&path).map_or(true, |m| m.len() == 0);
         let (file, direct_io) = Self::open_file(&path)?;
         let mut report = OpenReport {
             direct_io,
@@ -247,6 +248,14 @@ impl FileStore {
         let len = PAGE as u64 + u64::from(records) * record_bytes(block_bytes);
         let file_len = file.metadata().map_err(io_err("stat", &path))?.len();
         if on_disk < records || file_len < len {
+            let available = free_bytes(dir).map_err(io_err("statvfs", dir))?;
+            if available < len.saturating_sub(file_len) {
+                return Err(StoreError::NoSpace {
+                    path,
+                    needed: len - file_len,
+                    available,
+                });
+            }
             reserve(&file, len).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ENOSPC) {
                     StoreError::NoSpace {

@@ -340,6 +340,16 @@ impl Region {
             let _ = std::fs::remove_file(&tmp);
             e
         };
+        // Refuse at once what cannot fit: on tmpfs, a reservation that runs out of room
+        // would first take every free page.
+        let available = free_bytes(dir).map_err(io_err("statvfs", dir))?;
+        if available < total {
+            return Err(cleanup(RegionError::NoSpace {
+                path: path.to_path_buf(),
+                needed: total,
+                available,
+            }));
+        }
         reserve(&file, total).map_err(|e| {
             cleanup(if e.raw_os_error() == Some(libc::ENOSPC) {
                 RegionError::NoSpace {
