@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use kvtier_core::{Config, Health, Key, Lookup, RequestId, TierConfig, TierKind};
 use kvtier_hw::{
-    Driver, DriverOptions, FaultHandle, Faults, FaultyStore, FileStore, HostEngine, HostMemory,
-    Layout, PAGE, Region, SecondaryStore,
+    Driver, DriverOptions, FaultHandle, Faults, FaultyStore, FileOptions, FileStore, HostEngine,
+    HostMemory, Layout, PAGE, Region, SecondaryStore,
 };
 
 const SLOTS: u32 = 4;
@@ -379,4 +379,35 @@ fn no_room_is_a_clear_error() {
         store.open_report().created,
         "the failed open left nothing to misread"
     );
+}
+
+/// The file tier bypasses the page cache by default; buffered IO (the fallback where a
+/// filesystem refuses `O_DIRECT`, or by choice) stores and verifies the same way, and a tier
+/// written one way reopens the other.
+#[test]
+fn direct_and_buffered_io_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let k = key(1);
+    {
+        let store = open_store(dir.path());
+        assert!(
+            store.open_report().direct_io,
+            "a disk filesystem takes O_DIRECT"
+        );
+        store.put(&k, &content(&k)).unwrap();
+    }
+    let cap = 16 * (BLOCK + PAGE) as u64 + PAGE as u64;
+    let buffered =
+        FileStore::open_with(dir.path(), BLOCK, cap, FileOptions { direct_io: false }).unwrap();
+    assert!(!buffered.open_report().direct_io);
+    assert_eq!(buffered.open_report().recovered, 1);
+    let mut back = vec![0; BLOCK];
+    buffered.get(&k, &mut back).unwrap();
+    assert_eq!(back, content(&k));
+    let j = key(2);
+    buffered.put(&j, &content(&j)).unwrap();
+    drop(buffered);
+    let direct = open_store(dir.path());
+    direct.get(&j, &mut back).unwrap();
+    assert_eq!(back, content(&j));
 }

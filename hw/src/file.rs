@@ -65,6 +65,20 @@ impl PageBuf {
     }
 }
 
+/// How a file tier does its IO.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileOptions {
+    /// Bypass the page cache with `O_DIRECT` (the default; falls back to buffered IO where the
+    /// filesystem refuses it). Buffered IO competes with the primary region for memory.
+    pub direct_io: bool,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        FileOptions { direct_io: true }
+    }
+}
+
 /// What opening a file tier found on disk.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpenReport {
@@ -210,6 +224,16 @@ impl FileStore {
     /// An existing tier keeps its blocks: opening it with another block size, or with less
     /// room than it has, is an error rather than a loss.
     pub fn open(dir: &Path, block_bytes: usize, capacity_bytes: u64) -> Result<Self, StoreError> {
+        Self::open_with(dir, block_bytes, capacity_bytes, FileOptions::default())
+    }
+
+    /// [`open`](Self::open) with options.
+    pub fn open_with(
+        dir: &Path,
+        block_bytes: usize,
+        capacity_bytes: u64,
+        options: FileOptions,
+    ) -> Result<Self, StoreError> {
         if block_bytes == 0 || block_bytes % PAGE != 0 {
             return Err(StoreError::BadInput(format!(
                 "file tier block bytes must be a positive multiple of {PAGE}, got {block_bytes}"
@@ -227,7 +251,7 @@ impl FileStore {
         let path = dir.join(DATA_FILE);
         // A data file without a superblock yet (an open that failed while creating it) is new.
         let created = std::fs::metadata(&path).map_or(true, |m| m.len() == 0);
-        let (file, direct_io) = Self::open_file(&path)?;
+        let (file, direct_io) = Self::open_file(&path, options.direct_io)?;
         let mut report = OpenReport {
             direct_io,
             created,
@@ -301,7 +325,7 @@ impl FileStore {
     }
 
     /// Opens with `O_DIRECT`, or buffered where the filesystem refuses it (tmpfs).
-    fn open_file(path: &Path) -> Result<(File, bool), StoreError> {
+    fn open_file(path: &Path, direct: bool) -> Result<(File, bool), StoreError> {
         let open = |flags: i32| {
             OpenOptions::new()
                 .read(true)
@@ -312,6 +336,9 @@ impl FileStore {
                 .custom_flags(flags)
                 .open(path)
         };
+        if !direct {
+            return open(0).map(|f| (f, false)).map_err(io_err("open", path));
+        }
         match open(libc::O_DIRECT) {
             Ok(f) => {
                 // Some filesystems accept the flag and refuse the IO: try one aligned read.

@@ -36,7 +36,7 @@ pub use engine::{
     TransferEngine, TransferId,
 };
 pub use faulty::{FaultCounts, FaultHandle, Faults, FaultyStore};
-pub use file::{DATA_FILE, FORMAT_VERSION, FileStore, MAX_KEY_BYTES, OpenReport};
+pub use file::{DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, MAX_KEY_BYTES, OpenReport};
 pub use io::{JobPath, TierDone};
 pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};
 pub use queue::Queue;
