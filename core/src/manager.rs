@@ -369,7 +369,8 @@ impl Manager {
         self.primary
             .complete_store_into(keys, ok, cascade.then_some(&mut ready));
         self.primary.drain_events(&mut self.events);
-        if !ready.is_empty() && !self.closed {
+        // `ready` is empty unless `cascade`: nothing cascades after shutdown.
+        if !ready.is_empty() {
             for t in 0..self.tiers.len() {
                 self.cascade(req, TierId(t as u16), &ready);
             }

@@ -138,3 +138,66 @@ fn counters_count_exactly() {
     assert_eq!(m.stats().tiers[0].1.blocks, 3);
     let _ = TierId(0);
 }
+
+/// Tier counters: evictions made by a cascade's plan, failed writes and reads, failed jobs;
+/// and a failed cascade reports no Stored event for the tier.
+#[test]
+fn tier_counters_and_events_count_exactly() {
+    use kvtier_core::{EventKind, Medium};
+    let mut c = Config::new(4);
+    c.tiers = vec![TierConfig::new(TierKind::Authoritative, 2)];
+    c.health.failures_to_down = 10;
+    let mut m = manager_with(c);
+    for i in 1..=3 {
+        store(&mut m, R1, &keys([i]));
+        complete_all(&mut m);
+        m.end_step();
+    }
+    m.end_step();
+    let t = m.stats().tiers[0].1.clone();
+    assert_eq!((t.evictions, t.write_failures, t.jobs_failed), (1, 0, 0));
+    m.take_events();
+    // A cascade that fails wholly: a failed write and a failed job, and no tier event.
+    store(&mut m, R1, &keys([4]));
+    let js = jobs(&drain(&mut m));
+    report(&mut m, &js, Outcome::Failed);
+    m.end_step(); // prepare_store collected this step already: applied at the next (M1)
+    m.end_step();
+    let t = m.stats().tiers[0].1.clone();
+    assert_eq!((t.evictions, t.write_failures, t.jobs_failed), (2, 1, 1));
+    assert!(
+        !m.take_events()
+            .iter()
+            .any(|e| e.medium == Medium::Tier(TierId(0)) && e.kind == EventKind::Stored),
+        "nothing was stored in the tier"
+    );
+    // A promotion that fails: a failed read and one more failed job.
+    let mut m = manager(4, &[4]);
+    m.restore_tier(TierId(0), keys([7])).unwrap();
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    m.end_step();
+    let js = jobs(&drain(&mut m));
+    report(&mut m, &js, Outcome::Failed);
+    m.end_step();
+    let t = m.stats().tiers[0].1.clone();
+    assert_eq!(
+        (t.read_failures, t.jobs_failed, t.write_failures),
+        (1, 1, 0)
+    );
+}
+
+/// With events off nothing is recorded, also for the tiers.
+#[test]
+fn events_off_records_nothing() {
+    let mut c = Config::new(2);
+    c.tiers = vec![TierConfig::new(TierKind::Authoritative, 4)];
+    c.events = false;
+    let mut m = manager_with(c);
+    for i in 1..=3 {
+        store(&mut m, R1, &keys([i]));
+        complete_all(&mut m);
+        m.end_step();
+    }
+    m.end_step();
+    assert!(m.take_events().is_empty());
+}
