@@ -201,3 +201,60 @@ fn events_off_records_nothing() {
     m.end_step();
     assert!(m.take_events().is_empty());
 }
+
+#[test]
+fn a_policy_is_empty_until_an_insert() {
+    use kvtier_core::policy::{ArcPolicy, EvictionPolicy, LruPolicy};
+    let mut lru = LruPolicy::with_capacity(4);
+    let mut arc = ArcPolicy::new(4);
+    assert!(lru.is_empty() && arc.is_empty());
+    lru.insert(0, &key(1));
+    arc.insert(0, &key(1));
+    assert!(!lru.is_empty() && !arc.is_empty());
+}
+
+/// The canonical state (stateright's state identity) ignores job-id offsets and absolute
+/// steps, and keeps what changes future answers: here, an active cooldown.
+#[test]
+fn canonical_state_names_what_matters() {
+    let fresh = |pre_steps: u32| {
+        let mut c = Config::new(4);
+        c.tiers = vec![TierConfig::new(TierKind::Shared, 8)];
+        c.promotion_cooldown_steps = 3;
+        let mut m = manager_with(c);
+        for _ in 0..pre_steps {
+            m.end_step();
+        }
+        m
+    };
+    let (mut a, mut b) = (fresh(0), fresh(5));
+    assert_eq!(
+        a.canonical_state(),
+        b.canonical_state(),
+        "absolute steps do not matter"
+    );
+    for m in [&mut a, &mut b] {
+        m.restore_tier(TierId(0), keys([7])).unwrap();
+        assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+        m.end_step();
+        let js = jobs(&drain(m));
+        report(m, &js, Outcome::Failed);
+        m.end_step();
+    }
+    assert_eq!(a.canonical_state(), b.canonical_state());
+    assert!(
+        a.canonical_state().contains("cool0:"),
+        "{}",
+        a.canonical_state()
+    );
+    let cooling = a.canonical_state();
+    for _ in 0..3 {
+        a.end_step();
+    }
+    assert!(
+        !a.canonical_state().contains("cool0:"),
+        "{}",
+        a.canonical_state()
+    );
+    assert_ne!(a.canonical_state(), cooling);
+}
