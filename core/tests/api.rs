@@ -156,7 +156,17 @@ fn tier_counters_and_events_count_exactly() {
     m.end_step();
     let t = m.stats().tiers[0].1.clone();
     assert_eq!((t.evictions, t.write_failures, t.jobs_failed), (1, 0, 0));
-    m.take_events();
+    let removed: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter(|e| e.medium == Medium::Tier(TierId(0)) && e.kind == EventKind::Removed)
+        .collect();
+    assert_eq!(removed.len(), 1);
+    assert_eq!(
+        removed[0].keys,
+        keys([1]),
+        "the tier's eviction is reported"
+    );
     // A cascade that fails wholly: a failed write and a failed job, and no tier event.
     store(&mut m, R1, &keys([4]));
     let js = jobs(&drain(&mut m));
@@ -186,11 +196,11 @@ fn tier_counters_and_events_count_exactly() {
     );
 }
 
-/// With events off nothing is recorded, also for the tiers.
+/// With events off nothing is recorded, also for the tiers' stores and evictions.
 #[test]
 fn events_off_records_nothing() {
     let mut c = Config::new(2);
-    c.tiers = vec![TierConfig::new(TierKind::Authoritative, 4)];
+    c.tiers = vec![TierConfig::new(TierKind::Authoritative, 2)];
     c.events = false;
     let mut m = manager_with(c);
     for i in 1..=3 {
@@ -199,7 +209,36 @@ fn events_off_records_nothing() {
         m.end_step();
     }
     m.end_step();
+    assert_eq!(m.stats().tiers[0].1.evictions, 1);
     assert!(m.take_events().is_empty());
+}
+
+/// The read-only views an engine uses for its metrics.
+#[test]
+fn accessors_answer_exactly() {
+    let mut c = Config::new(3);
+    let mut shared = TierConfig::new(TierKind::Shared, 5);
+    shared.policy = kvtier_core::PolicyKind::Arc;
+    c.tiers = vec![shared];
+    c.policy = kvtier_core::PolicyKind::Arc;
+    let mut m = manager_with(c);
+    assert!(m.primary().is_empty() && m.tier(TierId(0)).unwrap().is_empty());
+    assert_eq!(m.tier(TierId(0)).unwrap().capacity(), 5);
+    store(&mut m, R1, &keys([1, 2]));
+    assert_eq!(m.primary().len(), 2);
+    assert!(!m.primary().is_empty());
+    assert!(!m.tier(TierId(0)).unwrap().is_empty(), "Writing counts");
+    assert_eq!(
+        m.lookup(R1, &key(9)),
+        Lookup::Retry,
+        "a shared tier is asked"
+    );
+    assert!(m.tier(TierId(0)).unwrap().is_probing(&key(9)));
+    assert!(!m.tier(TierId(0)).unwrap().is_probing(&key(1)));
+    match m.primary().policy() {
+        kvtier_core::policy::Policy::Arc(a) => assert_eq!(a.list_lens(), [2, 0, 0, 0]),
+        other => panic!("ARC configured, got {other:?}"),
+    }
 }
 
 #[test]

@@ -265,6 +265,33 @@ fn reuse_filter_counts_lookups_in_a_bounded_tracker() {
     m.lookup(R1, &key(4)); // forgets 2
     m.lookup(R1, &key(2)); // counted from 1 again
     assert!(m.prepare_store(&keys([2])).unwrap().keys.is_empty());
+    // Exactly `max_tracker_size` keys are remembered, and the one seen least recently goes.
+    let mut c = Config::new(8);
+    c.reuse = Some(ReuseFilter {
+        store_threshold: 2,
+        max_tracker_size: 2,
+    });
+    let mut m = manager_with(c);
+    for k in [5, 6, 5, 6, 7] {
+        m.lookup(R1, &key(k)); // 7 forgets 5 (last seen before 6)
+    }
+    assert_eq!(m.prepare_store(&keys([6])).unwrap().keys, keys([6]));
+    assert!(m.prepare_store(&keys([5])).unwrap().keys.is_empty());
+}
+
+/// P4: a store of many keys (past the short-list path) stores each distinct key once, in
+/// first-occurrence order.
+#[test]
+fn long_stores_deduplicate_in_order() {
+    let mut m = manager(64, &[]);
+    let ids: Vec<u32> = (0..40)
+        .chain([3, 39, 0])
+        .chain(40..45)
+        .chain([44, 7])
+        .collect();
+    let p = m.prepare_store(&keys(ids.iter().copied())).unwrap();
+    assert_eq!(p.keys, keys(0..45));
+    assert_eq!(p.slots.len(), 45);
 }
 
 /// The primary used on its own gives the same answers as the manager with no tiers (M11).

@@ -465,6 +465,61 @@ fn shared_tier_probes_and_caches() {
     assert_eq!(m.stats().tiers[0].1.probes, 3);
 }
 
+/// T9: a shared tier trusts a "not found" for exactly `absent_ttl_steps` steps after it is
+/// collected, and remembers at most `capacity` such answers, forgetting the oldest first.
+#[test]
+fn absent_answers_last_their_ttl_and_are_bounded() {
+    let mut c = Config::new(4);
+    let mut t = TierConfig::new(TierKind::Shared, 2);
+    t.absent_ttl_steps = 3;
+    c.tiers = vec![t];
+    let mut m = manager_with(c);
+    for _ in 0..5 {
+        m.end_step();
+    }
+    for k in [1, 2] {
+        assert_eq!(m.lookup(R1, &key(k)), Lookup::Retry);
+    }
+    let js = jobs(&drain(&mut m));
+    report(&mut m, &js, Outcome::NotFound);
+    m.end_step(); // step 5 had collected already: step 6's first lookup collects (M1)
+    for step in 6..=8 {
+        assert_eq!(m.step(), step);
+        for k in [1, 2] {
+            assert_eq!(m.lookup(R1, &key(k)), Lookup::Miss, "step {step}");
+        }
+        assert!(drain(&mut m).is_empty(), "no probe at step {step}");
+        m.end_step();
+    }
+    assert_eq!(
+        m.lookup(R1, &key(1)),
+        Lookup::Retry,
+        "collected at 6, expired at 6 + 3"
+    );
+    assert_eq!(jobs(&drain(&mut m)).len(), 1);
+    // Bounded: a third answer forgets the oldest one.
+    let mut c = Config::new(4);
+    let mut t = TierConfig::new(TierKind::Shared, 2);
+    t.absent_ttl_steps = 100;
+    c.tiers = vec![t];
+    let mut m = manager_with(c);
+    for k in [1, 2, 3] {
+        assert_eq!(m.lookup(R1, &key(k)), Lookup::Retry);
+        let js = jobs(&drain(&mut m));
+        report(&mut m, &js, Outcome::NotFound);
+        m.end_step();
+        m.end_step();
+    }
+    assert_eq!(m.lookup(R1, &key(2)), Lookup::Miss);
+    assert_eq!(m.lookup(R1, &key(3)), Lookup::Miss);
+    assert!(drain(&mut m).is_empty());
+    assert_eq!(
+        m.lookup(R1, &key(1)),
+        Lookup::Retry,
+        "the oldest answer was forgotten"
+    );
+}
+
 /// J1, J2: partial results: the named blocks succeeded, the others failed.
 #[test]
 fn partial_results() {
