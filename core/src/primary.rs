@@ -704,6 +704,13 @@ mod tests {
     }
 
     #[test]
+    fn detects_a_free_slot_that_keeps_its_key() {
+        let mut p = full();
+        p.slots[1].state = SlotState::Free;
+        assert_eq!(violated(&p), "I2");
+    }
+
+    #[test]
     fn detects_a_policy_out_of_step() {
         let mut p = full();
         p.policy.remove(1);

@@ -258,3 +258,99 @@ impl ArcPolicy {
         self.ghosts.find(hash(key)).is_some()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! `check` must fail on each broken part of ARC's state (I7).
+
+    use super::*;
+
+    fn arc() -> ArcPolicy {
+        let mut a = ArcPolicy::new(2);
+        a.insert(0, &Key::from([0u8]));
+        a.insert(1, &Key::from([1u8]));
+        a.evict(0, Key::from([0u8]));
+        a.check().unwrap();
+        a
+    }
+
+    #[test]
+    fn check_sees_each_corruption() {
+        let mut a = arc();
+        a.resident.corrupt_len(T1);
+        assert!(a.check().is_err());
+        let mut a = arc();
+        a.ghosts.lists.corrupt_len(B1);
+        assert!(a.check().is_err());
+        let mut a = arc();
+        a.p = 3.0;
+        assert!(a.check().is_err());
+        let mut a = arc();
+        a.p = -0.5;
+        assert!(a.check().is_err());
+        assert!(crate::policy::Policy::Arc(arc()).check().is_ok());
+    }
+
+    fn k(i: u8) -> Key {
+        Key::from([i])
+    }
+
+    /// T1 = {5, 6, 7} → evicted to B1; T2 = {0..4}, of which 0 and 1 evicted to B2.
+    fn with_ghosts() -> ArcPolicy {
+        let mut a = ArcPolicy::new(8);
+        for i in 0..8 {
+            a.insert(u32::from(i), &k(i));
+        }
+        for i in 0..5 {
+            a.touch(&k(i), Some((u32::from(i), true))); // A2: to T2
+        }
+        for i in [5, 6, 7, 0, 1] {
+            a.evict(u32::from(i), k(i));
+        }
+        assert_eq!(a.list_lens(), [0, 3, 3, 2]);
+        a
+    }
+
+    /// A5: a B1 hit raises p by max(|B2| / |B1|, 1); a B2 hit lowers it by max(|B1| / |B2|, 1).
+    #[test]
+    fn ghost_hits_adapt_p_by_the_list_ratio() {
+        let mut a = with_ghosts();
+        a.touch(&k(5), None);
+        assert_eq!(a.target(), 1.0, "B1 hit: 2/3 rounds up to 1");
+        for i in [5, 6, 7] {
+            a.touch(&k(i), None);
+        }
+        assert_eq!(a.target(), 4.0);
+        a.touch(&k(0), None);
+        assert_eq!(a.target(), 2.5, "B2 hit: p - 3/2");
+        a.check().unwrap();
+    }
+
+    /// A6: victims come from T1 while |T1| ≥ p, counting the ones already chosen, then T2.
+    #[test]
+    fn select_counts_down_t1() {
+        let mut a = ArcPolicy::new(8);
+        for i in 0..5 {
+            a.insert(u32::from(i), &k(i));
+        }
+        a.touch(&k(3), Some((3, true)));
+        a.touch(&k(4), Some((4, true))); // T1 = [0, 1, 2], T2 = [3, 4]
+        a.p = 2.0;
+        let mut out = Vec::new();
+        a.select(3, &mut |_| true, &mut out);
+        assert_eq!(out, [0, 1, 3], "T1 down to p = 2, then T2");
+    }
+
+    /// A6: each ghost list keeps exactly `capacity` ghosts, the newest.
+    #[test]
+    fn ghost_lists_hold_exactly_capacity() {
+        let mut a = ArcPolicy::new(2);
+        for i in 0..5 {
+            a.insert(u32::from(i), &k(i));
+            a.evict(u32::from(i), k(i));
+        }
+        assert_eq!(a.list_lens(), [0, 0, 2, 0]);
+        assert!(a.ghosts.find(hash(&k(4))).is_some() && a.ghosts.find(hash(&k(3))).is_some());
+        assert!(a.ghosts.find(hash(&k(2))).is_none());
+    }
+}

@@ -171,3 +171,58 @@ impl<const N: usize> Lists<N> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+impl<const N: usize> Lists<N> {
+    /// Breaks `list`'s length count (for the policies' invariant self-tests).
+    pub(crate) fn corrupt_len(&mut self, list: usize) {
+        self.len[list] += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! `check` must fail on every kind of broken list (I7).
+
+    use super::*;
+
+    fn lists() -> Lists<2> {
+        let mut l = Lists::default();
+        for id in 0..3 {
+            l.push_back(0, id);
+        }
+        l.push_back(1, 3);
+        l.check().unwrap();
+        l
+    }
+
+    #[test]
+    fn check_detects_each_corruption() {
+        let mut l = lists();
+        l.links[2].set_prev(0); // a wrong back link, in the right list
+        assert!(l.check().is_err());
+        let mut l = lists();
+        l.links[1] = Link::new(0, 2, 1); // the right back link, the wrong list tag
+        assert!(l.check().is_err());
+        let mut l = lists();
+        l.corrupt_len(0); // the right tail, a wrong length
+        assert!(l.check().is_err());
+        let mut l = lists();
+        l.tail[0] = 1; // the right length, a wrong tail
+        assert!(l.check().is_err());
+        let mut l = lists();
+        l.links.push(Link::new(NIL, NIL, 0)); // linked, unreachable
+        assert!(l.check().is_err());
+    }
+
+    #[test]
+    fn moving_the_tail_keeps_the_order() {
+        let mut l = lists();
+        l.move_to_back(0, 2);
+        l.move_to_back(0, 0);
+        l.move_to_back(1, 1); // to another list
+        l.check().unwrap();
+        assert_eq!(l.iter(0).collect::<Vec<_>>(), [2, 0]);
+        assert_eq!(l.iter(1).collect::<Vec<_>>(), [3, 1]);
+    }
+}

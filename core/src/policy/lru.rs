@@ -79,3 +79,21 @@ impl EvictionPolicy for LruPolicy {
         self.order.check()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_sees_a_broken_list() {
+        let mut p = LruPolicy::with_capacity(2);
+        p.insert(0, &Key::from([0u8]));
+        p.check().unwrap();
+        p.order.corrupt_len(0);
+        assert!(p.check().is_err());
+        assert!(
+            crate::policy::Policy::Lru(p).check().is_err(),
+            "the enum delegates"
+        );
+    }
+}
