@@ -14,10 +14,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let region = Arc::new(Region::create(&dir.path().join("region"), layout, 2)?);
     let device = Arc::new(HostMemory::new(4 * (256 << 10))?); // stands in for GPU memory
     let engine = HostEngine::new(region.clone(), device.clone(), 0, 2);
-    let tier = Arc::new(FileStore::open(&dir.path().join("tier"), layout.row_bytes(), 64 << 20)?);
+    let tier = Arc::new(FileStore::open(
+        &dir.path().join("tier"),
+        layout.row_bytes(),
+        64 << 20,
+    )?);
     let mut config = Config::new(layout.rows);
     config.tiers = vec![TierConfig::new(tier.kind(), tier.capacity_blocks())];
-    let mut driver = Driver::new(config, region, Box::new(engine), vec![tier], DriverOptions::default())?;
+    let mut driver = Driver::new(
+        config,
+        region,
+        Box::new(engine),
+        vec![tier],
+        DriverOptions::default(),
+    )?;
 
     let req = RequestId(1);
     let blocks: Vec<Key> = (0..3u8).map(|i| Key::new(&[i])).collect();
@@ -39,7 +49,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     driver.wait(t)?;
     let mut back = vec![1u8; 256 << 10];
     device.read(1 << 18, &mut back)?;
-    assert!(back.iter().all(|&b| b == 0), "the promoted block has the stored bytes");
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "the promoted block has the stored bytes"
+    );
     driver.end_step();
     let report = driver.shutdown();
     assert_eq!(report.abandoned, 0);
