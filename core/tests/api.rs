@@ -297,3 +297,44 @@ fn canonical_state_names_what_matters() {
     );
     assert_ne!(a.canonical_state(), cooling);
 }
+
+/// Each part of the state shows in the canonical encoding: the primary's blocks, a tier's
+/// blocks, and the eviction order (LRU and ARC).
+#[test]
+fn canonical_state_covers_every_part() {
+    use kvtier_core::PolicyKind;
+    let pair = |policy: PolicyKind, prep: &dyn Fn(&mut kvtier_core::Manager, u32)| {
+        let mut c = Config::new(4);
+        c.policy = policy;
+        c.tiers = vec![TierConfig::new(TierKind::Authoritative, 4)];
+        c.tiers[0].policy = policy;
+        let mut ms = [manager_with(c.clone()), manager_with(c)];
+        for (i, m) in ms.iter_mut().enumerate() {
+            prep(m, i as u32);
+            m.take_events();
+        }
+        let [a, b] = ms;
+        assert_ne!(a.canonical_state(), b.canonical_state());
+    };
+    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+        // Different blocks in the primary (no tier involved: failed stores cascade nothing).
+        pair(policy, &|m, i| {
+            m.prepare_store(&keys([i])).unwrap();
+        });
+        // Different blocks in the tier.
+        pair(policy, &|m, i| {
+            m.restore_tier(TierId(0), keys([i])).unwrap();
+        });
+        // The same blocks in another recency order, in the primary.
+        pair(policy, &|m, i| {
+            store(m, R1, &keys([1, 2]));
+            drain(m);
+            m.touch(&keys([1 + i]));
+        });
+        // The same blocks in another recency order, in the tier.
+        pair(policy, &|m, i| {
+            m.restore_tier(TierId(0), keys([1, 2])).unwrap();
+            m.touch(&keys([1 + i]));
+        });
+    }
+}
