@@ -524,3 +524,57 @@ impl TierIndex {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! `check_invariants` of a tier index must fail on a corrupted index (I7, I8).
+
+    use super::*;
+    use crate::config::{PolicyKind, TierConfig};
+    use crate::policy::EvictionPolicy;
+
+    fn index(policy: PolicyKind) -> TierIndex {
+        let mut c = TierConfig::new(TierKind::Authoritative, 3);
+        c.policy = policy;
+        let mut t = TierIndex::new(TierId(0), &c);
+        let keys: Vec<Key> = (0u8..3).map(|i| Key::from([i])).collect();
+        assert!(t.restore(keys).is_empty());
+        t.check_invariants().unwrap();
+        t
+    }
+
+    fn violated(t: &TierIndex) -> &'static str {
+        t.check_invariants()
+            .expect_err("corruption not detected")
+            .id
+    }
+
+    #[test]
+    fn detects_an_index_over_capacity() {
+        let mut t = index(PolicyKind::Lru);
+        t.capacity = 2;
+        assert_eq!(violated(&t), "I8");
+    }
+
+    #[test]
+    fn detects_an_entry_lost_from_the_index() {
+        let mut t = index(PolicyKind::Lru);
+        t.entries[1] = None;
+        assert_eq!(violated(&t), "I8");
+    }
+
+    #[test]
+    fn detects_a_policy_out_of_step() {
+        let mut t = index(PolicyKind::Lru);
+        t.policy.remove(2);
+        assert_eq!(violated(&t), "I7");
+    }
+
+    #[test]
+    fn detects_a_resident_ghost() {
+        let mut t = index(PolicyKind::Arc);
+        t.policy.evict(0, Key::from([0u8])); // a ghost of key 0 ...
+        t.policy.insert(0, &Key::from([0u8])); // ... while key 0 is resident
+        assert_eq!(violated(&t), "I7");
+    }
+}

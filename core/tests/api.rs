@@ -338,3 +338,46 @@ fn canonical_state_covers_every_part() {
         });
     }
 }
+
+/// A shared tier's probe that finds a block adds it to a full index by evicting one (T9),
+/// counted like any tier eviction.
+#[test]
+fn a_found_probe_counts_its_eviction() {
+    let mut c = Config::new(4);
+    c.tiers = vec![TierConfig::new(TierKind::Shared, 1)];
+    let mut m = manager_with(c);
+    m.restore_tier(TierId(0), keys([1])).unwrap();
+    assert_eq!(m.lookup(R1, &key(2)), Lookup::Retry);
+    let js = jobs(&drain(&mut m));
+    report(&mut m, &js, Outcome::Ok);
+    m.end_step();
+    m.end_step();
+    assert_eq!(m.stats().tiers[0].1.evictions, 1);
+    assert!(m.tier(TierId(0)).unwrap().state_of(&key(2)).is_some());
+}
+
+/// A cached "absent" answer made stale by a later write does not show in the canonical
+/// state: it no longer changes any answer.
+#[test]
+fn a_stale_absent_answer_is_not_state() {
+    let run = |probe_first: bool| {
+        let mut c = Config::new(4);
+        c.tiers = vec![TierConfig::new(TierKind::Shared, 4)];
+        let mut m = manager_with(c);
+        if probe_first {
+            assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry);
+            let js = jobs(&drain(&mut m));
+            report(&mut m, &js, Outcome::NotFound);
+        }
+        m.end_step();
+        m.end_step();
+        store(&mut m, R1, &keys([1])); // written by this node: the answer is stale
+        complete_all(&mut m);
+        m.end_step();
+        m.end_step();
+        m.take_events();
+        m
+    };
+    let (a, b) = (run(true), run(false));
+    assert_eq!(a.canonical_state(), b.canonical_state());
+}

@@ -354,3 +354,19 @@ mod tests {
         assert!(a.ghosts.find(hash(&k(2))).is_none());
     }
 }
+
+#[cfg(test)]
+mod touch_tests {
+    use super::*;
+
+    /// A3: touching a T1 block that is not Ready (its store is still Pending) keeps it in T1.
+    #[test]
+    fn a_pending_block_stays_in_t1() {
+        let mut a = ArcPolicy::new(4);
+        a.insert(0, &Key::from([0u8]));
+        a.touch(&Key::from([0u8]), Some((0, false)));
+        assert_eq!(a.list_lens(), [1, 0, 0, 0]);
+        a.touch(&Key::from([0u8]), Some((0, true)));
+        assert_eq!(a.list_lens(), [0, 1, 0, 0]);
+    }
+}
