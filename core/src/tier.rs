@@ -573,8 +573,10 @@ mod tests {
     #[test]
     fn detects_a_resident_ghost() {
         let mut t = index(PolicyKind::Arc);
-        t.policy.evict(0, Key::from([0u8])); // a ghost of key 0 ...
-        t.policy.insert(0, &Key::from([0u8])); // ... while key 0 is resident
+        // Entry 0 (key 0) stays in the index while the policy turns key 0 into a ghost and
+        // tracks id 0 again (under another key): a resident that is also a ghost.
+        t.policy.evict(0, Key::from([0u8]));
+        t.policy.insert(0, &Key::from([9u8]));
         assert_eq!(violated(&t), "I7");
     }
 }
