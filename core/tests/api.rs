@@ -381,3 +381,27 @@ fn a_stale_absent_answer_is_not_state() {
     let (a, b) = (run(true), run(false));
     assert_eq!(a.canonical_state(), b.canonical_state());
 }
+
+/// A live cached "absent" answer is state: it changes the next lookup's answer (Miss instead
+/// of a probe).
+#[test]
+fn a_live_absent_answer_is_state() {
+    let run = |probe_first: bool| {
+        let mut c = Config::new(4);
+        c.tiers = vec![TierConfig::new(TierKind::Shared, 4)];
+        let mut m = manager_with(c);
+        if probe_first {
+            assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry);
+            let js = jobs(&drain(&mut m));
+            report(&mut m, &js, Outcome::NotFound);
+        }
+        m.end_step();
+        m.end_step();
+        m
+    };
+    let (a, b) = (run(true), run(false));
+    assert_ne!(a.canonical_state(), b.canonical_state());
+    let (mut a, mut b) = (a, b);
+    assert_eq!(a.lookup(R1, &key(1)), Lookup::Miss);
+    assert_eq!(b.lookup(R1, &key(1)), Lookup::Retry);
+}
