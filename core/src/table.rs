@@ -207,6 +207,43 @@ mod tests {
         behaves_as_a_map_with(IdTable::with_capacity(300, 80));
     }
 
+    /// Runs that wrap around the end of a nearly full table, with homes in its last buckets:
+    /// every deletion's backward shift measures distances across the wrap.
+    #[test]
+    fn wrapped_runs_survive_deletions() {
+        let mut t = IdTable::with_capacity(14, 90);
+        let n = t.buckets.len();
+        // Hashes whose probe runs start in the last three buckets.
+        let homes: alloc::vec::Vec<u64> = (1u64..)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .filter(|&h| t.home(tag_of(h)) >= n - 3)
+            .take(3)
+            .collect();
+        let mut reference: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut x = 0x0bad_5eed_1234_5678u64;
+        for _ in 0..5_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let id = (x % 14) as u32;
+            match reference.get(&id).copied() {
+                Some(h) => {
+                    assert!(t.remove(h, id));
+                    reference.remove(&id);
+                }
+                None => {
+                    let h = homes[(x >> 8) as usize % homes.len()];
+                    t.insert(h, id);
+                    reference.insert(id, h);
+                }
+            }
+            for (&id, &h) in &reference {
+                assert_eq!(t.find(h, |c| c == id), Some(id), "id {id} lost");
+            }
+        }
+        assert_eq!(t.buckets.len(), n, "sized once");
+    }
+
     fn behaves_as_a_map_with(mut t: IdTable) {
         let mut reference: BTreeMap<u32, u64> = BTreeMap::new();
         let mut x = 0x1234_5678_9abc_def1u64;
