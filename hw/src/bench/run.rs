@@ -431,8 +431,15 @@ impl std::fmt::Display for Report {
         for (i, t) in self.tiers.iter().enumerate() {
             writeln!(
                 f,
-                "tier {i}          {} / {} blocks, {} cascaded, {} evictions, {} failures, {}",
-                t.blocks, t.capacity_blocks, t.cascaded, t.evictions, t.failures, t.health
+                "tier {i}          {} / {} blocks ({} found at start), {} cascaded, {} evictions, {} failures, {}, {}",
+                t.blocks,
+                t.capacity_blocks,
+                t.recovered,
+                t.cascaded,
+                t.evictions,
+                t.failures,
+                t.health,
+                if t.direct_io { "O_DIRECT" } else { "buffered" }
             )?;
         }
         writeln!(
