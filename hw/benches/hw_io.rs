@@ -31,14 +31,14 @@ fn copies(c: &mut Criterion) {
             .unwrap(),
         );
         let device = Arc::new(HostMemory::new(BLOCKS * block).unwrap());
-        let mut engine = HostEngine::new(region, device, 0, 1);
         let done = Arc::new(Queue::new());
         let mut id = 0;
         g.throughput(Throughput::Bytes((BLOCKS * block) as u64));
-        g.bench_with_input(
-            BenchmarkId::new("engine_to_region", block),
-            &block,
-            |b, &block| {
+        // One copy thread, and two (the bench's default: a job's copies split across them).
+        for threads in [1, 2] {
+            let mut engine = HostEngine::new(region.clone(), device.clone(), 0, threads);
+            let name = format!("engine_{threads}_thread");
+            g.bench_with_input(BenchmarkId::new(name, block), &block, |b, &block| {
                 b.iter(|| {
                     id += 1;
                     let copies = (0..BLOCKS)
@@ -47,20 +47,16 @@ fn copies(c: &mut Criterion) {
                             device_offset: i * block,
                         })
                         .collect();
-                    engine
-                        .submit(
-                            CopyJob {
-                                id: TransferId(id),
-                                direction: Direction::ToRegion,
-                                copies,
-                            },
-                            &done,
-                        )
-                        .unwrap();
+                    let job = CopyJob {
+                        id: TransferId(id),
+                        direction: Direction::ToRegion,
+                        copies,
+                    };
+                    engine.submit(job, &done).unwrap();
                     done.pop().unwrap();
                 })
-            },
-        );
+            });
+        }
         let src = vec![1u8; BLOCKS * block];
         let mut dst = vec![0u8; BLOCKS * block];
         g.bench_with_input(BenchmarkId::new("memcpy", block), &block, |b, &block| {

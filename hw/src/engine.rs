@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::SlotId;
 
-use crate::queue::Queue;
+use crate::queue::{Countdown, Queue};
 use crate::region::{HostMemory, Region, RegionError};
 
 /// Identifies one transfer of one driver.
@@ -96,13 +96,29 @@ pub trait TransferEngine: Send {
     fn poll(&mut self, done: &Completions) -> bool;
 }
 
-enum Task {
-    Copy(CopyJob, Instant),
+/// One job shared by the copy threads that run its parts.
+struct SharedJob {
+    id: TransferId,
+    direction: Direction,
+    started: Instant,
+    ranges: Vec<(usize, usize)>,
+    parts: Countdown<PartEnd>,
+    done: Completions,
 }
 
-/// The host engine: device memory is a [`HostMemory`] buffer, copies run on a thread pool.
+/// How one part of a job ended.
+struct PartEnd {
+    result: Result<(), RegionError>,
+    bytes: u64,
+    begun: Instant,
+}
+
+type Task = (Arc<SharedJob>, Vec<BlockCopy>);
+
+/// The host engine: device memory is a [`HostMemory`] buffer; each job's copies are split
+/// across a pool of copy threads (like the channels of a DMA engine).
 pub struct HostEngine {
-    tasks: Arc<Queue<(Task, Completions)>>,
+    tasks: Arc<Queue<Task>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     region: Arc<Region>,
     device: Arc<HostMemory>,
@@ -112,7 +128,7 @@ impl HostEngine {
     /// An engine copying between `device` and `worker`'s sub-slots of `region` on `threads`
     /// threads.
     pub fn new(region: Arc<Region>, device: Arc<HostMemory>, worker: u16, threads: usize) -> Self {
-        let tasks: Arc<Queue<(Task, Completions)>> = Arc::new(Queue::new());
+        let tasks: Arc<Queue<Task>> = Arc::new(Queue::new());
         let threads = (0..threads.max(1))
             .map(|i| {
                 let tasks = tasks.clone();
@@ -121,10 +137,8 @@ impl HostEngine {
                 std::thread::Builder::new()
                     .name(format!("kvtier-copy-{i}"))
                     .spawn(move || {
-                        while let Some((Task::Copy(job, started), done)) = tasks.pop() {
-                            let c = run_copy(&region, &device, worker, job, started);
-                            // A closed queue means the driver is gone; nobody waits for it.
-                            let _ = done.push(c);
+                        while let Some((job, copies)) = tasks.pop() {
+                            run_part(&region, &device, worker, &job, &copies);
                         }
                     })
                     .expect("spawn copy thread")
@@ -142,28 +156,24 @@ impl HostEngine {
     pub fn device(&self) -> &Arc<HostMemory> {
         &self.device
     }
-
-    fn ranges(&self, job: &CopyJob) -> Vec<(usize, usize)> {
-        let len = self.region.layout().block_bytes_per_worker;
-        job.copies.iter().map(|c| (c.device_offset, len)).collect()
-    }
 }
 
-fn run_copy(
+/// Copies one part of a job; the part that ends last reports the job (Q5).
+fn run_part(
     region: &Region,
     device: &HostMemory,
     worker: u16,
-    job: CopyJob,
-    started: Instant,
-) -> Completion {
+    job: &SharedJob,
+    copies: &[BlockCopy],
+) {
     let begun = Instant::now();
     let len = region.layout().block_bytes_per_worker;
-    let ranges: Vec<(usize, usize)> = job.copies.iter().map(|c| (c.device_offset, len)).collect();
     let mut result = Ok(());
-    for c in &job.copies {
+    for c in copies {
         // The job's claim on these device bytes (taken at submit) and the core's ownership of
-        // the slot (Pending for a store, pinned for a load) make both sides exclusive.
-        let r = match job.direction {
+        // the slot (Pending for a store, pinned for a load) make both sides exclusive; the
+        // parts of one job copy disjoint blocks.
+        result = match job.direction {
             Direction::ToRegion => device
                 .with_claimed(c.device_offset, len, |src| {
                     region.write_sub(c.slot, worker, src)
@@ -175,23 +185,37 @@ fn run_copy(
                 })
                 .and_then(|r| r),
         };
-        if let Err(e) = r {
-            result = Err(EngineError::Memory(e));
+        if result.is_err() {
             break;
         }
     }
-    device.release(&ranges);
-    Completion::Transfer {
-        id: job.id,
-        bytes: if result.is_ok() {
-            (len * job.copies.len()) as u64
-        } else {
-            0
-        },
+    let bytes = if result.is_ok() {
+        (len * copies.len()) as u64
+    } else {
+        0
+    };
+    let Some(parts) = job.parts.finish(PartEnd {
         result,
-        elapsed: started.elapsed(),
+        bytes,
+        begun,
+    }) else {
+        return;
+    };
+    device.release(&job.ranges);
+    let begun = parts.iter().map(|p| p.begun).min().unwrap_or(begun);
+    let bytes = parts.iter().map(|p| p.bytes).sum();
+    let result = match parts.into_iter().find_map(|p| p.result.err()) {
+        Some(e) => Err(EngineError::Memory(e)),
+        None => Ok(()),
+    };
+    // A closed queue means the driver is gone; nobody waits for it.
+    let _ = job.done.push(Completion::Transfer {
+        id: job.id,
+        bytes: if result.is_ok() { bytes } else { 0 },
+        result,
+        elapsed: job.started.elapsed(),
         service: begun.elapsed(),
-    }
+    });
 }
 
 impl TransferEngine for HostEngine {
@@ -200,14 +224,31 @@ impl TransferEngine for HostEngine {
     }
 
     fn submit(&mut self, job: CopyJob, done: &Completions) -> Result<(), EngineError> {
-        let ranges = self.ranges(&job);
+        let len = self.region.layout().block_bytes_per_worker;
+        let ranges: Vec<(usize, usize)> =
+            job.copies.iter().map(|c| (c.device_offset, len)).collect();
         self.device.claim(&ranges)?;
-        if let Err((Task::Copy(job, _), _)) = self
-            .tasks
-            .push((Task::Copy(job, Instant::now()), done.clone()))
-        {
-            self.device.release(&self.ranges(&job));
-            return Err(EngineError::Stopped);
+        let parts = self.threads.len().min(job.copies.len()).max(1);
+        let per = job.copies.len().div_ceil(parts).max(1);
+        let mut chunks: Vec<Vec<BlockCopy>> =
+            job.copies.chunks(per).map(<[BlockCopy]>::to_vec).collect();
+        if chunks.is_empty() {
+            chunks.push(Vec::new()); // an empty job still ends with a completion
+        }
+        let shared = Arc::new(SharedJob {
+            id: job.id,
+            direction: job.direction,
+            started: Instant::now(),
+            ranges,
+            parts: Countdown::new(chunks.len()),
+            done: done.clone(),
+        });
+        for chunk in chunks {
+            if self.tasks.push((shared.clone(), chunk)).is_err() {
+                // Only after `drop` closed the queue, before any part was queued.
+                self.device.release(&shared.ranges);
+                return Err(EngineError::Stopped);
+            }
         }
         Ok(())
     }

@@ -39,7 +39,7 @@ pub use faulty::{FaultCounts, FaultHandle, Faults, FaultyStore};
 pub use file::{DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, MAX_KEY_BYTES, OpenReport};
 pub use io::{JobPath, TierDone};
 pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};
-pub use queue::Queue;
+pub use queue::{Countdown, Queue};
 pub use region::{HostMemory, Layout, PAGE, Region, RegionError, free_bytes, page_align};
 pub use store::{SecondaryStore, StoreError};
 

@@ -10,6 +10,8 @@
 //! - Q3: after `close`, pushes are refused (the item is handed back), and pops drain what is
 //!   left, then answer `None`.
 //! - Q4: an urgent item is popped before every ordinary item still queued; each class is FIFO.
+//! - Q5 ([`Countdown`]): when the parts of one job end on several threads, exactly one of
+//!   them, the last, receives every part's outcome.
 //!   (A tier serves promotions, which a request waits for, before cascades, which nobody
 //!   waits for.)
 
@@ -131,5 +133,27 @@ impl<T> Queue<T> {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+}
+
+/// Counts down the parts of one job that run on several threads (rule Q5).
+pub struct Countdown<T> {
+    state: Mutex<(usize, Vec<T>)>,
+}
+
+impl<T> Countdown<T> {
+    /// A job of `parts` parts (at least one).
+    pub fn new(parts: usize) -> Self {
+        Countdown {
+            state: Mutex::new((parts.max(1), Vec::with_capacity(parts))),
+        }
+    }
+
+    /// Records one part's outcome; the last part gets every outcome back, the others `None`.
+    pub fn finish(&self, outcome: T) -> Option<Vec<T>> {
+        let mut s = lock(&self.state);
+        s.1.push(outcome);
+        s.0 -= 1;
+        (s.0 == 0).then(|| std::mem::take(&mut s.1))
     }
 }

@@ -1,4 +1,4 @@
-//! loom checks of the queue between the driver and the IO threads (rules Q1–Q4 in
+//! loom checks of the queue between the driver and the IO threads (rules Q1–Q5 in
 //! `hw/src/queue.rs`), under every interleaving loom explores. Run with:
 //!
 //! ```sh
@@ -124,5 +124,30 @@ fn urgent_items_overtake_ordinary_ones() {
             2 => unreachable!("FIFO among ordinary items"),
             _ => assert_eq!((first, rest), (10, vec![1, 2])),
         }
+    });
+}
+
+/// Q5: two copy threads end the two parts of one job; exactly one of them, the last,
+/// receives both outcomes and reports the job.
+#[test]
+fn the_last_part_reports_the_job_once() {
+    use kvtier_hw::Countdown;
+    loom::model(|| {
+        let job = Arc::new(Countdown::new(2));
+        let parts: Vec<_> = [1u32, 2]
+            .into_iter()
+            .map(|outcome| {
+                let job = job.clone();
+                thread::spawn(move || job.finish(outcome))
+            })
+            .collect();
+        let reports: Vec<Vec<u32>> = parts
+            .into_iter()
+            .filter_map(|p| p.join().unwrap())
+            .collect();
+        assert_eq!(reports.len(), 1, "exactly one report");
+        let mut outcomes = reports[0].clone();
+        outcomes.sort_unstable();
+        assert_eq!(outcomes, vec![1, 2]);
     });
 }
