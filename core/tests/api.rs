@@ -356,21 +356,28 @@ fn a_found_probe_counts_its_eviction() {
     assert!(m.tier(TierId(0)).unwrap().state_of(&key(2)).is_some());
 }
 
+/// A manager with a shared tier, two steps on; with `absent`, key 1 was probed and answered
+/// "not found" meanwhile.
+fn after_probe(absent: bool) -> kvtier_core::Manager {
+    let mut c = Config::new(4);
+    c.tiers = vec![TierConfig::new(TierKind::Shared, 4)];
+    let mut m = manager_with(c);
+    if absent {
+        assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry);
+        let js = jobs(&drain(&mut m));
+        report(&mut m, &js, Outcome::NotFound);
+    }
+    m.end_step();
+    m.end_step();
+    m
+}
+
 /// A cached "absent" answer made stale by a later write does not show in the canonical
 /// state: it no longer changes any answer.
 #[test]
 fn a_stale_absent_answer_is_not_state() {
-    let run = |probe_first: bool| {
-        let mut c = Config::new(4);
-        c.tiers = vec![TierConfig::new(TierKind::Shared, 4)];
-        let mut m = manager_with(c);
-        if probe_first {
-            assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry);
-            let js = jobs(&drain(&mut m));
-            report(&mut m, &js, Outcome::NotFound);
-        }
-        m.end_step();
-        m.end_step();
+    let run = |absent: bool| {
+        let mut m = after_probe(absent);
         store(&mut m, R1, &keys([1])); // written by this node: the answer is stale
         complete_all(&mut m);
         m.end_step();
@@ -378,28 +385,14 @@ fn a_stale_absent_answer_is_not_state() {
         m.take_events();
         m
     };
-    let (a, b) = (run(true), run(false));
-    assert_eq!(a.canonical_state(), b.canonical_state());
+    assert_eq!(run(true).canonical_state(), run(false).canonical_state());
 }
 
 /// A live cached "absent" answer is state: it changes the next lookup's answer (Miss instead
 /// of a probe).
 #[test]
 fn a_live_absent_answer_is_state() {
-    let run = |probe_first: bool| {
-        let mut c = Config::new(4);
-        c.tiers = vec![TierConfig::new(TierKind::Shared, 4)];
-        let mut m = manager_with(c);
-        if probe_first {
-            assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry);
-            let js = jobs(&drain(&mut m));
-            report(&mut m, &js, Outcome::NotFound);
-        }
-        m.end_step();
-        m.end_step();
-        m
-    };
-    let (a, b) = (run(true), run(false));
+    let (a, b) = (after_probe(true), after_probe(false));
     assert_ne!(a.canonical_state(), b.canonical_state());
     let (mut a, mut b) = (a, b);
     assert_eq!(a.lookup(R1, &key(1)), Lookup::Miss);
