@@ -207,6 +207,16 @@ mod tests {
         behaves_as_a_map_with(IdTable::with_capacity(300, 80));
     }
 
+    /// A deterministic stream of pseudo-random numbers (xorshift64).
+    fn xorshift(mut x: u64) -> impl Iterator<Item = u64> {
+        core::iter::from_fn(move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            Some(x)
+        })
+    }
+
     /// Runs that wrap around the end of a nearly full table, with homes in its last buckets:
     /// every deletion's backward shift measures distances across the wrap.
     #[test]
@@ -220,11 +230,7 @@ mod tests {
             .take(3)
             .collect();
         let mut reference: BTreeMap<u32, u64> = BTreeMap::new();
-        let mut x = 0x0bad_5eed_1234_5678u64;
-        for _ in 0..5_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+        for x in xorshift(0x0bad_5eed_1234_5678).take(5_000) {
             let id = (x % 14) as u32;
             match reference.get(&id).copied() {
                 Some(h) => {
@@ -246,11 +252,7 @@ mod tests {
 
     fn behaves_as_a_map_with(mut t: IdTable) {
         let mut reference: BTreeMap<u32, u64> = BTreeMap::new();
-        let mut x = 0x1234_5678_9abc_def1u64;
-        for _ in 0..20_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+        for x in xorshift(0x1234_5678_9abc_def1).take(20_000) {
             let id = (x % 600) as u32;
             // Few distinct hashes, spread over the whole range: many equal tags, long probe
             // runs, and runs that wrap around the end of the table.
