@@ -100,11 +100,8 @@ fn counters_count_exactly() {
     let mut m = manager_with(c);
     // Three blocks through a 2-slot primary: one eviction, three cascades of one block.
     for i in 1..=3 {
-        store(&mut m, R1, &keys([i]));
-        complete_all(&mut m);
-        m.end_step();
+        store_and_settle(&mut m, R1, &keys([i]));
     }
-    m.end_step();
     let s = m.stats();
     assert_eq!(s.evictions, 1);
     assert_eq!(s.tiers[0].1.cascades_submitted, 3);
@@ -136,7 +133,6 @@ fn counters_count_exactly() {
     assert_eq!(m.stats().load_pins, 0);
     assert_eq!(m.stats().jobs_outstanding, 0);
     assert_eq!(m.stats().tiers[0].1.blocks, 3);
-    let _ = TierId(0);
 }
 
 /// Tier counters: evictions made by a cascade's plan, failed writes and reads, failed jobs;
@@ -149,11 +145,8 @@ fn tier_counters_and_events_count_exactly() {
     c.health.failures_to_down = 10;
     let mut m = manager_with(c);
     for i in 1..=3 {
-        store(&mut m, R1, &keys([i]));
-        complete_all(&mut m);
-        m.end_step();
+        store_and_settle(&mut m, R1, &keys([i]));
     }
-    m.end_step();
     let t = m.stats().tiers[0].1.clone();
     assert_eq!((t.evictions, t.write_failures, t.jobs_failed), (1, 0, 0));
     let removed: Vec<_> = m
@@ -204,11 +197,8 @@ fn events_off_records_nothing() {
     c.events = false;
     let mut m = manager_with(c);
     for i in 1..=3 {
-        store(&mut m, R1, &keys([i]));
-        complete_all(&mut m);
-        m.end_step();
+        store_and_settle(&mut m, R1, &keys([i]));
     }
-    m.end_step();
     assert_eq!(m.stats().tiers[0].1.evictions, 1);
     assert!(m.take_events().is_empty());
 }
