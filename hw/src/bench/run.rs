@@ -245,7 +245,8 @@ pub fn run(
             });
             next += 1;
         }
-        let mut transfers: Vec<(TransferId, Vec<(u64, usize)>)> = Vec::new();
+        // Each transfer with the blocks it loads (none for a store) and their device base.
+        let mut transfers: Vec<(TransferId, &[u64], usize)> = Vec::new();
         let mut finished = Vec::new();
         for (ai, a) in active.iter_mut().enumerate() {
             let blocks = &requests[a.index].blocks;
@@ -271,22 +272,15 @@ pub fn run(
             }
             gave_up += u64::from(retry);
             let base = a.device_slot * longest * bb;
-            let hit_blocks: Vec<(Key, usize)> = blocks[..hits]
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| (key(b), base + i * bb))
-                .collect();
-            if !hit_blocks.is_empty() {
-                let t = driver.load(a.id, &hit_blocks)?;
-                transfers.push((
-                    t,
-                    blocks[..hits]
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &b)| (b, base + i * bb))
-                        .collect(),
-                ));
-                let keys: Vec<Key> = hit_blocks.iter().map(|(k, _)| k.clone()).collect();
+            let loaded = &blocks[..hits];
+            if !loaded.is_empty() {
+                let keys: Vec<Key> = loaded.iter().map(|&b| key(b)).collect();
+                let at: Vec<(Key, usize)> = keys
+                    .iter()
+                    .cloned()
+                    .zip((0..).map(|i| base + i * bb))
+                    .collect();
+                transfers.push((driver.load(a.id, &at)?, loaded, base));
                 driver.touch(&keys);
             }
             let promoted = blocks[..hits]
@@ -302,17 +296,17 @@ pub fn run(
                 computed.push((key(b), base + i * bb));
             }
             match driver.store(a.id, &computed) {
-                Ok(Some(t)) => transfers.push((t, Vec::new())),
+                Ok(Some(t)) => transfers.push((t, &[], base)),
                 Ok(None) => {}
                 Err(crate::HwError::Core(kvtier_core::Error::NoRoom { .. })) => refused += 1,
                 Err(e) => return Err(e.into()),
             }
             finished.push(ai);
         }
-        for (t, loaded) in transfers {
+        for (t, loaded, base) in transfers {
             driver.wait(t)?;
-            for (b, at) in loaded {
-                device.read(at, &mut block)?;
+            for (i, &b) in loaded.iter().enumerate() {
+                device.read(base + i * bb, &mut block)?;
                 fill(b, &mut expect);
                 wrong += u64::from(block != expect);
             }
