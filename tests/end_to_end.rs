@@ -41,26 +41,31 @@ fn open_store(dir: &Path) -> Arc<FileStore> {
 }
 
 fn rig(dir: &Path, store: Arc<dyn SecondaryStore>) -> Rig {
+    rig_with(dir, vec![store], DriverOptions::default(), |_| {})
+}
+
+/// A rig over `stores`; `tune` sees the host engine before the driver owns it.
+fn rig_with(
+    dir: &Path,
+    stores: Vec<Arc<dyn SecondaryStore>>,
+    options: DriverOptions,
+    tune: impl FnOnce(&HostEngine),
+) -> Rig {
     let layout = Layout::new(SLOTS, 1, BLOCK).unwrap();
     let region = Arc::new(Region::create(&dir.join("region"), layout, 2).expect("region"));
     let device = Arc::new(HostMemory::new(DEVICE_BLOCKS * BLOCK).unwrap());
     let engine = HostEngine::new(region.clone(), device.clone(), 0, 2);
+    tune(&engine);
     let mut config = Config::new(SLOTS);
-    config.tiers = vec![TierConfig::new(
-        TierKind::Authoritative,
-        store.capacity_blocks(),
-    )];
+    config.tiers = stores
+        .iter()
+        .map(|s| TierConfig::new(TierKind::Authoritative, s.capacity_blocks()))
+        .collect();
     config.health.failures_to_down = 2;
     config.health.probe_interval_steps = 3;
     config.promotion_cooldown_steps = 4;
-    let driver = Driver::new(
-        config,
-        region,
-        Box::new(engine),
-        vec![store],
-        DriverOptions::default(),
-    )
-    .expect("driver starts");
+    let driver =
+        Driver::new(config, region, Box::new(engine), stores, options).expect("driver starts");
     Rig { driver, device }
 }
 
@@ -410,4 +415,129 @@ fn direct_and_buffered_io_agree() {
     let direct = open_store(dir.path());
     direct.get(&j, &mut back).unwrap();
     assert_eq!(back, content(&j));
+}
+
+/// M10: a store that ends while shutdown waits starts cascades that were not in flight when
+/// shutdown began; the report counts what ended and what was abandoned without underflowing.
+#[test]
+fn shutdown_counts_cascades_started_while_it_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let slow = Faults {
+        put_delay: Some(std::time::Duration::from_millis(600)),
+        ..Faults::default()
+    };
+    let (a, fa) = faulty(&dir.path().join("a"));
+    let (b, fb) = faulty(&dir.path().join("b"));
+    fa.set(slow.clone());
+    fb.set(slow);
+    let options = DriverOptions {
+        shutdown_timeout: std::time::Duration::from_millis(100),
+        ..DriverOptions::default()
+    };
+    let mut r = rig_with(dir.path(), vec![a, b], options, |_| {});
+    let k = key(1);
+    r.device.write(0, &content(&k)).unwrap();
+    let t = r.driver.store(RequestId(1), &[(k, 0)]).unwrap();
+    assert!(t.is_some(), "the copy is in flight");
+    let report = r.driver.shutdown();
+    assert_eq!(
+        report,
+        kvtier_hw::ShutdownReport {
+            drained: 1,
+            ended_failed: 2,
+            abandoned: 2
+        },
+        "the store ended; its two cascades were abandoned and ended as failed"
+    );
+}
+
+/// J1: a store that panics ends its job as failed, like an IO error; the IO threads live on,
+/// nothing waits forever, and the tier serves again once the fault is gone.
+#[test]
+fn a_panicking_store_fails_its_jobs_and_the_tier_lives_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, faults) = faulty(dir.path());
+    let mut r = rig(dir.path(), store);
+    faults.set(Faults {
+        panic: true,
+        ..Faults::default()
+    });
+    // More panics than the tier has IO threads: threads that died would leave jobs unrun.
+    for i in 0..6 {
+        r.store(&key(i), i as usize);
+        r.driver.settle(2);
+    }
+    let stats = r.driver.manager().stats();
+    assert!(stats.tiers[0].1.write_failures >= 2, "{stats:?}");
+    assert_eq!(r.driver.in_flight(), 0);
+    assert_eq!(r.driver.manager().outstanding_jobs().count(), 0);
+    faults.set(Faults::default());
+    for _ in 0..8 {
+        r.driver.settle(1);
+    }
+    assert_eq!(r.driver.manager().stats().tiers[0].0, Health::Up);
+    r.store(&key(10), 10);
+    r.driver.settle(2);
+    let tier = r.driver.manager().tier(kvtier_core::TierId(0)).unwrap();
+    assert!(
+        tier.state_of(&key(10)).is_some(),
+        "the threads serve new cascades"
+    );
+    r.driver.manager().check_invariants().unwrap();
+    let report = r.driver.shutdown();
+    assert_eq!(report.abandoned, 0);
+}
+
+/// P9, P13: a copy thread that panics ends its transfer as failed: the store's Pending slot
+/// goes back, a load's pins are released, and the engine copies the next job.
+#[test]
+fn a_panicking_copy_fails_its_transfer() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(&dir.path().join("tier"));
+    let mut r = rig_with(
+        dir.path(),
+        vec![store],
+        DriverOptions::default(),
+        |engine| engine.inject_copy_panics(1),
+    );
+    let k = key(1);
+    r.device.write(0, &content(&k)).unwrap();
+    let t = r.driver.store(RequestId(1), &[(k.clone(), 0)]).unwrap();
+    let err = r.driver.wait(t.unwrap()).unwrap_err();
+    assert!(err.to_string().contains("panicked"), "{err}");
+    assert!(r.driver.manager().primary().state_of(&k).is_none());
+    r.store(&k, 0);
+    assert_eq!(r.lookup(&k), Lookup::Hit);
+    assert_eq!(r.load(&k, 5), content(&k));
+    r.driver.manager().check_invariants().unwrap();
+}
+
+/// Transfers nobody waits for do not grow the driver: past the bound the oldest result is
+/// dropped, and waiting for it is a clear error.
+#[test]
+fn results_nobody_waits_for_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = DriverOptions {
+        kept_results: 2,
+        ..DriverOptions::default()
+    };
+    let mut r = rig_with(
+        dir.path(),
+        vec![open_store(&dir.path().join("tier"))],
+        options,
+        |_| {},
+    );
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let k = key(i);
+        r.device.write(i as usize * BLOCK, &content(&k)).unwrap();
+        let t = r.driver.store(RequestId(1), &[(k, i as usize * BLOCK)]);
+        ids.push(t.unwrap().unwrap());
+        r.driver.settle(2);
+    }
+    assert_eq!(r.driver.kept_results(), 2);
+    let err = r.driver.wait(ids[0]).unwrap_err();
+    assert!(matches!(err, kvtier_hw::HwError::ResultDropped(0)), "{err}");
+    r.driver.wait(ids[3]).unwrap();
+    assert_eq!(r.driver.kept_results(), 1);
 }

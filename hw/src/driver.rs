@@ -28,6 +28,10 @@ pub struct DriverOptions {
     pub io_threads_per_tier: usize,
     /// How long `shutdown` waits for IO in flight before ending the remaining jobs as failed.
     pub shutdown_timeout: Duration,
+    /// How many ended transfers' results are kept for [`Driver::wait`]. A caller that never
+    /// waits for some transfers does not make the driver grow: past this bound the oldest
+    /// result is dropped, and waiting for it answers [`HwError::ResultDropped`].
+    pub kept_results: usize,
 }
 
 impl Default for DriverOptions {
@@ -35,6 +39,7 @@ impl Default for DriverOptions {
         DriverOptions {
             io_threads_per_tier: 4,
             shutdown_timeout: Duration::from_secs(30),
+            kept_results: 4096,
         }
     }
 }
@@ -48,7 +53,8 @@ struct PendingTransfer {
 /// What `shutdown` did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ShutdownReport {
-    /// Tier jobs and transfers that ended normally while shutting down.
+    /// Tier jobs and transfers that ended while shutting down (a store that ends meanwhile
+    /// may start cascades, which count here too when they end in time).
     pub drained: u64,
     /// Core jobs ended as failed by the shutdown (never reported by their tier in time).
     pub ended_failed: u64,
@@ -67,6 +73,8 @@ pub struct Driver {
     finished: BTreeMap<TransferId, Result<(), EngineError>>,
     next_transfer: u64,
     jobs_in_flight: usize,
+    /// Completions applied so far (transfers and tier jobs).
+    applied: u64,
     options: DriverOptions,
     metrics: IoMetrics,
     closed: bool,
@@ -160,6 +168,7 @@ impl Driver {
             finished: BTreeMap::new(),
             next_transfer: 0,
             jobs_in_flight: 0,
+            applied: 0,
             options,
             metrics: IoMetrics::default(),
             closed: false,
@@ -289,17 +298,27 @@ impl Driver {
         Ok(id)
     }
 
-    /// Waits until transfer `id` ends, applying every completion that arrives meanwhile.
+    /// Waits until transfer `id` ends, applying every completion that arrives meanwhile, and
+    /// takes its result. Only the last [`DriverOptions::kept_results`] results are kept.
     pub fn wait(&mut self, id: TransferId) -> Result<(), HwError> {
         loop {
             if let Some(r) = self.finished.remove(&id) {
                 return r.map_err(HwError::from);
             }
             if !self.transfers.contains_key(&id) {
-                return Err(HwError::Setup(format!("unknown transfer {}", id.0)));
+                return Err(if id.0 < self.next_transfer {
+                    HwError::ResultDropped(id.0)
+                } else {
+                    HwError::Setup(format!("unknown transfer {}", id.0))
+                });
             }
             self.wait_any(Duration::from_millis(100));
         }
+    }
+
+    /// Results of ended transfers that nobody has waited for yet.
+    pub fn kept_results(&self) -> usize {
+        self.finished.len()
     }
 
     /// Applies every completion that has arrived, without waiting.
@@ -331,6 +350,7 @@ impl Driver {
     }
 
     fn apply(&mut self, c: Completion) {
+        self.applied += 1;
         match c {
             Completion::Transfer {
                 id,
@@ -363,6 +383,11 @@ impl Driver {
                         .expect("a load's own pins are held until its completion"),
                 }
                 self.finished.insert(id, result);
+                while self.finished.len() > self.options.kept_results {
+                    if let Some((old, _)) = self.finished.pop_first() {
+                        tracing::debug!(transfer = old.0, "result nobody waited for dropped");
+                    }
+                }
                 self.pump();
             }
             Completion::Tier(d) => self.apply_tier(d),
@@ -453,7 +478,7 @@ impl Driver {
             return ShutdownReport::default();
         }
         self.closed = true;
-        let before = self.in_flight() as u64;
+        let applied = self.applied;
         let deadline = Instant::now() + self.options.shutdown_timeout;
         while self.in_flight() > 0 && Instant::now() < deadline {
             self.wait_any(Duration::from_millis(50));
@@ -476,7 +501,7 @@ impl Driver {
             }
         }
         let report = ShutdownReport {
-            drained: before - abandoned,
+            drained: self.applied - applied,
             ended_failed,
             abandoned,
         };

@@ -5,6 +5,7 @@
 //! reported as data, a [`Completion`] on the driver's queue, exactly once.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use kvtier_core::SlotId;
@@ -57,6 +58,9 @@ pub enum EngineError {
     /// The GPU driver reported an error, or is absent.
     #[error("GPU: {0}")]
     Gpu(String),
+    /// A copy thread panicked; the transfer failed and the thread serves the next one.
+    #[error("a copy thread panicked: {0}")]
+    Panicked(String),
 }
 
 /// The end of one piece of IO, pushed by IO threads (or engine polling) to the driver.
@@ -108,7 +112,7 @@ struct SharedJob {
 
 /// How one part of a job ended.
 struct PartEnd {
-    result: Result<(), RegionError>,
+    result: Result<(), EngineError>,
     bytes: u64,
     begun: Instant,
 }
@@ -122,6 +126,7 @@ pub struct HostEngine {
     threads: Vec<std::thread::JoinHandle<()>>,
     region: Arc<Region>,
     device: Arc<HostMemory>,
+    panics: Arc<AtomicU32>,
 }
 
 impl HostEngine {
@@ -129,16 +134,18 @@ impl HostEngine {
     /// threads.
     pub fn new(region: Arc<Region>, device: Arc<HostMemory>, worker: u16, threads: usize) -> Self {
         let tasks: Arc<Queue<Task>> = Arc::new(Queue::new());
+        let panics = Arc::new(AtomicU32::new(0));
         let threads = (0..threads.max(1))
             .map(|i| {
                 let tasks = tasks.clone();
                 let region = region.clone();
                 let device = device.clone();
+                let panics = panics.clone();
                 std::thread::Builder::new()
                     .name(format!("kvtier-copy-{i}"))
                     .spawn(move || {
                         while let Some((job, copies)) = tasks.pop() {
-                            run_part(&region, &device, worker, &job, &copies);
+                            run_part(&region, &device, worker, &job, &copies, &panics);
                         }
                     })
                     .expect("spawn copy thread")
@@ -149,7 +156,15 @@ impl HostEngine {
             threads,
             region,
             device,
+            panics,
         }
+    }
+
+    /// Makes the next `parts` job parts panic in their copy thread, as a bug in a copy
+    /// would: for fault tests of the rule that such a job still reports, as failed.
+    #[doc(hidden)]
+    pub fn inject_copy_panics(&self, parts: u32) {
+        self.panics.store(parts, Ordering::SeqCst);
     }
 
     /// The device memory this engine copies to and from.
@@ -165,30 +180,22 @@ fn run_part(
     worker: u16,
     job: &SharedJob,
     copies: &[BlockCopy],
+    panics: &AtomicU32,
 ) {
     let begun = Instant::now();
     let len = region.layout().block_bytes_per_worker;
-    let mut result = Ok(());
-    for c in copies {
-        // The job's claim on these device bytes (taken at submit) and the core's ownership of
-        // the slot (Pending for a store, pinned for a load) make both sides exclusive; the
-        // parts of one job copy disjoint blocks.
-        result = match job.direction {
-            Direction::ToRegion => device
-                .with_claimed(c.device_offset, len, |src| {
-                    region.write_sub(c.slot, worker, src)
-                })
-                .and_then(|r| r),
-            Direction::ToDevice => device
-                .with_claimed_mut(c.device_offset, len, |dst| {
-                    region.read_sub(c.slot, worker, dst)
-                })
-                .and_then(|r| r),
-        };
-        if result.is_err() {
-            break;
+    // A panic in a copy ends this part as failed: the job still reports exactly once, so its
+    // Pending slots or load pins are released, and the thread serves the next job.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        if panics
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            panic!("injected copy panic");
         }
-    }
+        copy_part(region, device, worker, job.direction, copies, len)
+    }))
+    .unwrap_or_else(|p| Err(EngineError::Panicked(crate::io::panic_message(&*p))));
     let bytes = if result.is_ok() {
         (len * copies.len()) as u64
     } else {
@@ -205,7 +212,7 @@ fn run_part(
     let begun = parts.iter().map(|p| p.begun).min().unwrap_or(begun);
     let bytes = parts.iter().map(|p| p.bytes).sum();
     let result = match parts.into_iter().find_map(|p| p.result.err()) {
-        Some(e) => Err(EngineError::Memory(e)),
+        Some(e) => Err(e),
         None => Ok(()),
     };
     // A closed queue means the driver is gone; nobody waits for it.
@@ -216,6 +223,35 @@ fn run_part(
         elapsed: job.started.elapsed(),
         service: begun.elapsed(),
     });
+}
+
+/// Copies `copies` one after the other; stops at the first failure.
+fn copy_part(
+    region: &Region,
+    device: &HostMemory,
+    worker: u16,
+    direction: Direction,
+    copies: &[BlockCopy],
+    len: usize,
+) -> Result<(), EngineError> {
+    for c in copies {
+        // The job's claim on these device bytes (taken at submit) and the core's ownership of
+        // the slot (Pending for a store, pinned for a load) make both sides exclusive; the
+        // parts of one job copy disjoint blocks.
+        match direction {
+            Direction::ToRegion => device
+                .with_claimed(c.device_offset, len, |src| {
+                    region.write_sub(c.slot, worker, src)
+                })
+                .and_then(|r| r)?,
+            Direction::ToDevice => device
+                .with_claimed_mut(c.device_offset, len, |dst| {
+                    region.read_sub(c.slot, worker, dst)
+                })
+                .and_then(|r| r)?,
+        }
+    }
+    Ok(())
 }
 
 impl TransferEngine for HostEngine {

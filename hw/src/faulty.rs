@@ -2,6 +2,7 @@
 //! experiments with failing tiers.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvtier_core::{Key, TierKind};
 
@@ -23,6 +24,10 @@ pub struct Faults {
     pub unreachable: bool,
     /// After this many more bytes are written, every `put` fails with "no space left".
     pub space_left: Option<u64>,
+    /// Every `put` first sleeps this long (a slow disk or a congested network).
+    pub put_delay: Option<Duration>,
+    /// Every `put` and `get` panics (a bug in a store): the job must still end, as failed.
+    pub panic: bool,
 }
 
 /// Counts of what the wrapper did.
@@ -102,6 +107,14 @@ impl SecondaryStore for FaultyStore {
     }
 
     fn put(&self, key: &Key, block: &[u8]) -> Result<(), StoreError> {
+        let (delay, panic) = {
+            let c = lock(&self.control);
+            (c.faults.put_delay, c.faults.panic)
+        };
+        if let Some(d) = delay {
+            std::thread::sleep(d);
+        }
+        assert!(!panic, "injected panic in put of {key}");
         {
             let mut c = lock(&self.control);
             if c.faults.fail_puts {
@@ -127,6 +140,7 @@ impl SecondaryStore for FaultyStore {
 
     fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError> {
         let faults = lock(&self.control).faults.clone();
+        assert!(!faults.panic, "injected panic in get of {key}");
         if faults.fail_gets {
             return Err(self.injected("read"));
         }

@@ -65,7 +65,7 @@ impl TierIo {
                     .name(format!("kvtier-tier{}-{i}", tier.0))
                     .spawn(move || {
                         while let Some((job, started)) = jobs.pop() {
-                            let d = run_job(tier, &*store, &region, job, started);
+                            let d = run_guarded(tier, &*store, &region, job, started);
                             let _ = done.push(Completion::Tier(d));
                         }
                     })
@@ -96,6 +96,61 @@ impl TierIo {
     pub(crate) fn stop(&mut self) -> Vec<std::thread::JoinHandle<()>> {
         self.jobs.close();
         std::mem::take(&mut self.threads)
+    }
+}
+
+/// Runs `job`, ending it as failed if the store panics: every job reports exactly once, and
+/// the thread lives on to serve the next one.
+fn run_guarded(
+    tier: TierId,
+    store: &dyn SecondaryStore,
+    region: &Region,
+    job: Job,
+    started: Instant,
+) -> TierDone {
+    let (id, path) = (job.id, JobPath::of(&job.kind));
+    let begun = Instant::now();
+    // The store's shared state is behind locks that ignore poisoning, and a failed job
+    // changes nothing in the core: a panic leaves nothing half-done that anyone relies on.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_job(tier, store, region, job, started)
+    })) {
+        Ok(d) => d,
+        Err(panic) => {
+            let message = panic_message(&*panic);
+            tracing::error!(%tier, job = %id, panic = %message, "tier IO panicked; the job failed");
+            TierDone {
+                tier,
+                result: JobResult {
+                    job: id,
+                    outcome: Outcome::Failed,
+                },
+                path,
+                bytes: 0,
+                elapsed: started.elapsed(),
+                service: begun.elapsed(),
+                error: Some(format!("panicked: {message}")),
+            }
+        }
+    }
+}
+
+/// The text of a panic's payload.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic".to_owned())
+}
+
+impl JobPath {
+    fn of(kind: &JobKind) -> Self {
+        match kind {
+            JobKind::Store { .. } => JobPath::Cascade,
+            JobKind::Load { .. } => JobPath::Promote,
+            JobKind::Exists { .. } | JobKind::Health => JobPath::Probe,
+        }
     }
 }
 

@@ -67,4 +67,10 @@ pub enum HwError {
     /// The parts given to the driver do not fit together.
     #[error("setup: {0}")]
     Setup(String),
+    /// The transfer ended, but its result was dropped before anyone waited for it (see
+    /// `DriverOptions::kept_results`).
+    #[error(
+        "transfer {0} ended long ago and its result was dropped; wait sooner or keep more results"
+    )]
+    ResultDropped(u64),
 }
