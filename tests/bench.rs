@@ -10,10 +10,7 @@ fn small(dir: &Path) -> BenchSettings {
         cpu_bytes: 256 * 4096,
         block_bytes: 4096,
         region_dir: dir.to_path_buf(),
-        tiers: vec![TierSettings {
-            path: Some(dir.join("tier")),
-            capacity_bytes: 1024 * 2 * 4096,
-        }],
+        tiers: vec![TierSettings::new(Some(dir.join("tier")), 1024 * 2 * 4096)],
         ..BenchSettings::default()
     }
 }
@@ -32,7 +29,7 @@ fn check(report: &bench::Report) {
         "{report}"
     );
     assert_eq!(
-        report.promotions[2], 0,
+        report.promotions.failed, 0,
         "no promotion fails on a healthy tier"
     );
     assert!(
@@ -92,4 +89,20 @@ fn a_persistent_tier_warms_the_next_run() {
     // Warm, the second run may beat the cold optimum: only correctness is checked against it.
     assert_eq!(second.wrong_blocks, 0);
     assert!(second.hit_ratio > first.hit_ratio, "{first}\n{second}");
+}
+
+/// A hit on a block that another request was still storing is not a promotion: two identical
+/// requests in one batch start no promotion, and the second one's hits are counted apart.
+#[test]
+fn hits_on_another_requests_store_are_not_promotions() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = Request {
+        blocks: (0..6).collect(),
+    };
+    let report = bench::run(&small(dir.path()), &[r.clone(), r], &mut ()).unwrap();
+    assert_eq!(report.promotions.started, 0, "{report}");
+    assert_eq!(report.promoted_hits, 0, "{report}");
+    assert_eq!(report.pending_hits, 6, "{report}");
+    assert_eq!(report.primary_hits, 0, "{report}");
+    assert!(report.to_string().contains("stored by another request"));
 }

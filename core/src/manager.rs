@@ -480,12 +480,12 @@ impl Manager {
         }
         let interval = u64::from(self.config.health.probe_interval_steps);
         for t in 0..self.tiers.len() {
-            if let HealthState::Down { since } = self.tiers[t].health {
-                if self.step >= since + interval {
-                    let job = self.submit(TierId(t as u16), JobKind::Health, Vec::new());
-                    self.tiers[t].health = HealthState::Probing { job };
-                    tracing::debug!(tier = t, %job, "health probe");
-                }
+            if let HealthState::Down { since } = self.tiers[t].health
+                && self.step >= since + interval
+            {
+                let job = self.submit(TierId(t as u16), JobKind::Health, Vec::new());
+                self.tiers[t].health = HealthState::Probing { job };
+                tracing::debug!(tier = t, %job, "health probe");
             }
         }
         self.step += 1;

@@ -637,10 +637,10 @@ impl ReuseTracker {
             *age = clock;
         } else {
             self.counts.insert(key.clone(), (1, clock));
-            if self.counts.len() > self.filter.max_tracker_size as usize {
-                if let Some((_, oldest)) = self.by_age.pop_first() {
-                    self.counts.remove(&oldest);
-                }
+            if self.counts.len() > self.filter.max_tracker_size as usize
+                && let Some((_, oldest)) = self.by_age.pop_first()
+            {
+                self.counts.remove(&oldest);
             }
         }
         self.by_age.insert(clock, key.clone());

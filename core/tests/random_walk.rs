@@ -42,7 +42,7 @@ fn config(seed: u64) -> Config {
     t1.policy = policy(seed & 4 == 4);
     t1.absent_ttl_steps = 3;
     c.tiers = vec![t0, t1];
-    if seed % 5 == 0 {
+    if seed.is_multiple_of(5) {
         c.reuse = Some(ReuseFilter {
             store_threshold: 2,
             max_tracker_size: 4,

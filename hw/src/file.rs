@@ -234,7 +234,7 @@ impl FileStore {
         capacity_bytes: u64,
         options: FileOptions,
     ) -> Result<Self, StoreError> {
-        if block_bytes == 0 || block_bytes % PAGE != 0 {
+        if block_bytes == 0 || !block_bytes.is_multiple_of(PAGE) {
             return Err(StoreError::BadInput(format!(
                 "file tier block bytes must be a positive multiple of {PAGE}, got {block_bytes}"
             )));

@@ -529,10 +529,10 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if self.owner {
-            if let Err(e) = std::fs::remove_file(&self.path) {
-                tracing::warn!(path = %self.path.display(), error = %e, "region file not removed");
-            }
+        if self.owner
+            && let Err(e) = std::fs::remove_file(&self.path)
+        {
+            tracing::warn!(path = %self.path.display(), error = %e, "region file not removed");
         }
     }
 }

@@ -339,20 +339,21 @@ impl TieringModel {
                 if !idle {
                     n.violation = Some(format!("{k} evicted from {:?} while busy", ev.medium));
                 }
-                if let (Medium::Primary, Action::Lookup(r, _)) = (ev.medium, action) {
-                    if s.hits.contains(&(RequestId(u64::from(*r)), k.clone())) {
-                        n.violation = Some(format!("a promotion evicted its request's hit {k}"));
-                    }
+                if let (Medium::Primary, Action::Lookup(r, _)) = (ev.medium, action)
+                    && s.hits.contains(&(RequestId(u64::from(*r)), k.clone()))
+                {
+                    n.violation = Some(format!("a promotion evicted its request's hit {k}"));
                 }
             }
         }
         // A block is Ready only once its data is fully written into its slot.
         for k in 0..self.keys {
             let k = key(k);
-            if let Some((slot, BlockState::Ready { .. })) = m.primary().state_of(&k) {
-                if n.written.get(&slot) != Some(&k) && n.violation.is_none() {
-                    n.violation = Some(format!("{k} is Ready but {slot} does not hold its data"));
-                }
+            if let Some((slot, BlockState::Ready { .. })) = m.primary().state_of(&k)
+                && n.written.get(&slot) != Some(&k)
+                && n.violation.is_none()
+            {
+                n.violation = Some(format!("{k} is Ready but {slot} does not hold its data"));
             }
         }
         // No slot named by an outstanding job holds another block.

@@ -677,11 +677,11 @@ impl RefModel {
         }
         let interval = u64::from(self.config.health.probe_interval_steps);
         for t in 0..self.tiers.len() {
-            if let Health::Down(since) = self.tiers[t].health {
-                if self.step >= since + interval {
-                    let job = self.submit(TierId(t as u16), JobKind::Health);
-                    self.tiers[t].health = Health::Probing(job);
-                }
+            if let Health::Down(since) = self.tiers[t].health
+                && self.step >= since + interval
+            {
+                let job = self.submit(TierId(t as u16), JobKind::Health);
+                self.tiers[t].health = Health::Probing(job);
             }
         }
         self.step += 1;

@@ -168,12 +168,12 @@ impl EvictionPolicy for ArcPolicy {
         let mut c1 = self.resident.front(T1);
         let mut c2 = self.resident.front(T2);
         for _ in 0..n {
-            if t1 >= target {
-                if let Some(id) = self.next_eligible(&mut c1, eligible) {
-                    out.push(id);
-                    t1 -= 1;
-                    continue;
-                }
+            if t1 >= target
+                && let Some(id) = self.next_eligible(&mut c1, eligible)
+            {
+                out.push(id);
+                t1 -= 1;
+                continue;
             }
             match self.next_eligible(&mut c2, eligible) {
                 Some(id) => out.push(id),

@@ -5,14 +5,20 @@
 mod belady;
 mod run;
 mod settings;
+mod temp;
 mod workload;
 
 use std::path::PathBuf;
 
 pub use belady::optimal_hits;
-pub use run::{Progress, Report, TierReport, run};
-pub use settings::{BenchSettings, FileSettings, FileTier, TierSettings, parse_policy};
-pub use workload::{Request, Synthetic, parse_trace, read_trace};
+pub use run::{Progress, Promotions, Report, TierReport, run};
+pub use settings::{
+    BenchSettings, FileSettings, FileTier, TierSettings, parse_bytes, parse_policy,
+};
+pub use temp::{TEMP_TIER_PREFIX, sweep_temporary_tiers};
+pub use workload::{
+    Request, Synthetic, TraceLimits, parse_trace, parse_trace_with, read_trace, read_trace_with,
+};
 
 /// An error of the bench: bad input, or the hardware layer failing.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +51,17 @@ pub enum BenchError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The run was stopped (a signal) after `done` of `total` requests; every job was
+    /// ended and the region and temporary tiers removed.
+    #[error(
+        "interrupted after {done} of {total} requests; the region and temporary tiers were removed"
+    )]
+    Interrupted {
+        /// Requests finished.
+        done: u64,
+        /// Requests in the workload.
+        total: u64,
+    },
     /// The hardware layer failed.
     #[error(transparent)]
     Hw(#[from] crate::HwError),
@@ -59,5 +76,62 @@ impl From<crate::RegionError> for BenchError {
 impl From<crate::StoreError> for BenchError {
     fn from(e: crate::StoreError) -> Self {
         BenchError::Hw(e.into())
+    }
+}
+
+/// Bytes of memory a bench run may plan to take: half of what the system has available now
+/// (`MemAvailable`), or no bound where that is unknown.
+pub fn memory_budget() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(u64::MAX, |kib| kib.saturating_mul(1024) / 2)
+}
+
+/// A byte count, exactly: in the largest binary unit that divides it (`5000 B`, `4 KiB`,
+/// `1536 MiB`).
+pub fn fmt_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut unit = 0;
+    let mut v = n;
+    while unit + 1 < UNITS.len() && v >= 1024 && v.is_multiple_of(1024) {
+        v /= 1024;
+        unit += 1;
+    }
+    format!("{v} {}", UNITS[unit])
+}
+
+/// A byte count, rounded to one decimal in the largest binary unit below it (`11.5 GiB`).
+pub fn approx_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut unit = 0;
+    let mut v = n as f64;
+    while unit + 1 < UNITS.len() && v >= 1024.0 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn byte_counts_read_exactly() {
+        assert_eq!(super::fmt_bytes(5000), "5000 B");
+        assert_eq!(super::fmt_bytes(4096), "4 KiB");
+        assert_eq!(super::fmt_bytes(256 << 10), "256 KiB");
+        assert_eq!(super::fmt_bytes(1536 << 20), "1536 MiB");
+        assert_eq!(super::fmt_bytes(4 << 30), "4 GiB");
+        assert_eq!(super::fmt_bytes((1 << 20) + 1), "1048577 B");
+        assert_eq!(super::approx_bytes(23 << 29), "11.5 GiB");
+        assert_eq!(super::approx_bytes(1000), "1000 B");
     }
 }

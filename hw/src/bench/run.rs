@@ -1,26 +1,33 @@
 //! The bench loop and its report.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_core::{Config, Key, Lookup, RequestId, TierConfig};
+use kvtier_core::{BlockState, Config, Key, Lookup, PolicyKind, RequestId, TierConfig};
 use serde::Serialize;
 
 use super::BenchError;
 use super::belady::optimal_hits;
 use super::settings::BenchSettings;
+use super::temp::{TempTier, sweep_temporary_tiers};
 use super::workload::Request;
 use crate::{
     Driver, DriverOptions, FileStore, HostEngine, HostMemory, Layout, PathSummary, Region,
     SecondaryStore, TransferId, page_align,
 };
 
-/// Receives progress (requests finished) while the bench runs.
+/// Receives progress (requests finished) while the bench runs, and may stop it.
 pub trait Progress {
     /// `done` of `total` requests have finished.
     fn update(&mut self, done: u64, total: u64);
+
+    /// Whether the run should stop now (a signal came): it then ends every job, removes its
+    /// region and temporary tiers, and answers [`BenchError::Interrupted`].
+    fn stop_requested(&self) -> bool {
+        false
+    }
 }
 
 impl Progress for () {
@@ -42,10 +49,21 @@ pub struct TierReport {
     pub evictions: u64,
     /// Failed reads and writes.
     pub failures: u64,
+    /// Cascades not started because the tier's queue was full (back-pressure): blocks that
+    /// never reached the tier.
+    pub skipped_backpressure: u64,
+    /// Cascades not started because the tier was down.
+    pub skipped_down: u64,
+    /// Cascades not started because the tier had no evictable room.
+    pub skipped_full: u64,
     /// Its health at the end.
     pub health: String,
     /// Blocks found on disk at start (a persistent tier reused from an earlier run).
     pub recovered: u64,
+    /// Records dropped at open because they did not verify (torn or corrupt).
+    pub dropped_at_open: u64,
+    /// Its eviction policy.
+    pub policy: String,
     /// Whether its IO bypasses the page cache (`O_DIRECT`).
     pub direct_io: bool,
 }
@@ -63,22 +81,28 @@ pub struct Report {
     pub block_bytes: u64,
     /// Primary capacity in blocks.
     pub primary_blocks: u32,
+    /// The primary's eviction policy.
+    pub primary_policy: String,
     /// Blocks served from the primary at the first lookup.
     pub primary_hits: u64,
-    /// Blocks served after waiting for a promotion from a secondary tier.
+    /// Blocks served by a promotion from a secondary tier (the request waited for it).
     pub promoted_hits: u64,
+    /// Blocks served after waiting for another request's store of them to end.
+    pub pending_hits: u64,
     /// Hit ratio of the primary (primary hits / blocks).
     pub primary_hit_ratio: f64,
     /// Hit ratio of the secondary tiers (promoted hits / blocks).
     pub secondary_hit_ratio: f64,
+    /// Hits on blocks another request was storing (pending hits / blocks).
+    pub pending_hit_ratio: f64,
     /// Overall hit ratio.
     pub hit_ratio: f64,
     /// Belady's optimum for a cache of the primary's capacity.
     pub optimal_primary_hit_ratio: f64,
     /// Belady's optimum for a cache of every tier's capacity together.
     pub optimal_hit_ratio: f64,
-    /// Promotions started, succeeded, failed.
-    pub promotions: [u64; 3],
+    /// Promotions from the secondary tiers.
+    pub promotions: Promotions,
     /// Blocks evicted from the primary.
     pub primary_evictions: u64,
     /// Requests that stopped waiting for promotions and recomputed.
@@ -97,6 +121,17 @@ pub struct Report {
     pub wall_s: f64,
     /// Peak resident memory of the process in bytes (the region counts once touched).
     pub peak_rss_bytes: u64,
+}
+
+/// What became of the promotions a run started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Promotions {
+    /// Promotions started.
+    pub started: u64,
+    /// Promotions whose block reached the primary, verified.
+    pub succeeded: u64,
+    /// Promotions that failed (the block was recomputed).
+    pub failed: u64,
 }
 
 fn key(block: u64) -> Key {
@@ -120,7 +155,15 @@ struct Active {
     id: RequestId,
     device_slot: usize,
     waited: u32,
-    retried: BTreeSet<u64>,
+    /// Blocks answered Retry, each with whether a promotion was what it waited for.
+    retried: BTreeMap<u64, bool>,
+}
+
+fn policy_name(p: PolicyKind) -> &'static str {
+    match p {
+        PolicyKind::Lru => "lru",
+        PolicyKind::Arc => "arc",
+    }
 }
 
 fn peak_rss() -> u64 {
@@ -173,6 +216,25 @@ pub fn run(
             ),
         });
     }
+    let device_bytes = (settings.batch as u64)
+        .saturating_mul(longest as u64)
+        .saturating_mul(bb as u64);
+    let budget = super::memory_budget();
+    if device_bytes > budget {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: format!(
+                "batch: {} requests of up to {longest} blocks of {} need {} of device memory, more than the {} this machine can spare",
+                settings.batch,
+                super::fmt_bytes(bb as u64),
+                super::approx_bytes(device_bytes),
+                super::approx_bytes(budget)
+            ),
+        });
+    }
+    for path in sweep_temporary_tiers(&std::env::temp_dir()) {
+        tracing::warn!(path = %path.display(), "removed the temporary tier of a run that died");
+    }
     let region_path = settings
         .region_dir
         .join(format!("kvtier-bench-{}", std::process::id()));
@@ -192,14 +254,7 @@ pub fn run(
         let dir = match &t.path {
             Some(p) => p.clone(),
             None => {
-                let d = tempfile::Builder::new()
-                    .prefix("kvtier-tier-")
-                    .tempdir()
-                    .map_err(|e| BenchError::Io {
-                        what: "create temporary tier directory",
-                        path: std::env::temp_dir(),
-                        source: e,
-                    })?;
+                let d = TempTier::new(&std::env::temp_dir())?;
                 let p = d.path().to_path_buf();
                 temp_dirs.push(d);
                 p
@@ -208,7 +263,7 @@ pub fn run(
         let store = FileStore::open(&dir, row, t.capacity_bytes)?;
         opened.push(store.open_report().clone());
         let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
-        tc.policy = settings.policy;
+        tc.policy = t.policy;
         config.tiers.push(tc);
         stores.push(Arc::new(store));
     }
@@ -229,19 +284,23 @@ pub fn run(
     let mut next = 0usize;
     let mut active: Vec<Active> = Vec::new();
     let mut free_device: Vec<usize> = (0..settings.batch).rev().collect();
-    let (mut primary_hits, mut promoted_hits, mut gave_up, mut refused, mut wrong, mut done) =
-        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut primary_hits, mut promoted_hits, mut pending_hits) = (0u64, 0u64, 0u64);
+    let (mut gave_up, mut refused, mut wrong, mut done) = (0u64, 0u64, 0u64, 0u64);
     let mut block = vec![0u8; bb];
     let mut expect = vec![0u8; bb];
     let mut steps = 0u64;
     while next < requests.len() || !active.is_empty() {
+        if progress.stop_requested() {
+            // Dropping the driver ends every job; the region and temporary tiers go with it.
+            return Err(BenchError::Interrupted { done, total });
+        }
         while active.len() < settings.batch && next < requests.len() {
             active.push(Active {
                 index: next,
                 id: RequestId(next as u64),
                 device_slot: free_device.pop().expect("a device slot per active request"),
                 waited: 0,
-                retried: BTreeSet::new(),
+                retried: BTreeMap::new(),
             });
             next += 1;
         }
@@ -261,7 +320,12 @@ pub fn run(
                     Lookup::Hit => {}
                     Lookup::Retry => {
                         retry = true;
-                        a.retried.insert(b);
+                        // Promoting: a promotion serves it. Pending: another request's store.
+                        let promoting = matches!(
+                            driver.manager().primary().state_of(&key(b)),
+                            Some((_, BlockState::Promoting))
+                        );
+                        *a.retried.entry(b).or_default() |= promoting;
                     }
                     _ => break,
                 }
@@ -283,12 +347,13 @@ pub fn run(
                 transfers.push((driver.load(a.id, &at)?, loaded, base));
                 driver.touch(&keys);
             }
-            let promoted = blocks[..hits]
-                .iter()
-                .filter(|b| a.retried.contains(b))
-                .count() as u64;
-            promoted_hits += promoted;
-            primary_hits += hits as u64 - promoted;
+            for b in &blocks[..hits] {
+                match a.retried.get(b) {
+                    Some(true) => promoted_hits += 1,
+                    Some(false) => pending_hits += 1,
+                    None => primary_hits += 1,
+                }
+            }
             let mut computed = Vec::with_capacity(blocks.len() - hits);
             for (i, &b) in blocks.iter().enumerate().skip(hits) {
                 fill(b, &mut block);
@@ -323,7 +388,7 @@ pub fn run(
         }
         driver.end_step();
         steps += 1;
-        if steps % 16 == 0 {
+        if steps.is_multiple_of(16) {
             progress.update(done, total);
         }
     }
@@ -342,8 +407,13 @@ pub fn run(
             cascaded: t.blocks_cascaded,
             evictions: t.evictions,
             failures: t.write_failures + t.read_failures,
+            skipped_backpressure: t.skipped_backpressure,
+            skipped_down: t.skipped_down,
+            skipped_full: t.skipped_full,
             health: format!("{health:?}"),
             recovered: opened[i].recovered as u64,
+            dropped_at_open: opened[i].corrupt as u64,
+            policy: policy_name(settings.tiers[i].policy).into(),
             direct_io: opened[i].direct_io,
         })
         .collect();
@@ -362,19 +432,22 @@ pub fn run(
         distinct_blocks: distinct.len() as u64,
         block_bytes: bb as u64,
         primary_blocks: rows,
+        primary_policy: policy_name(settings.policy).into(),
         primary_hits,
         promoted_hits,
+        pending_hits,
         primary_hit_ratio: primary_hits as f64 / n,
         secondary_hit_ratio: promoted_hits as f64 / n,
-        hit_ratio: (primary_hits + promoted_hits) as f64 / n,
+        pending_hit_ratio: pending_hits as f64 / n,
+        hit_ratio: (primary_hits + promoted_hits + pending_hits) as f64 / n,
         optimal_primary_hit_ratio: optimal_hits(&refs, rows as usize) as f64 / n,
         optimal_hit_ratio: optimal_hits(&refs, (u64::from(rows) + tier_capacity) as usize) as f64
             / n,
-        promotions: [
-            stats.promotions_started,
-            stats.promotions_succeeded,
-            stats.promotions_failed,
-        ],
+        promotions: Promotions {
+            started: stats.promotions_started,
+            succeeded: stats.promotions_succeeded,
+            failed: stats.promotions_failed,
+        },
         primary_evictions: stats.evictions,
         gave_up_waiting: gave_up,
         stores_refused: refused,
@@ -392,19 +465,20 @@ impl std::fmt::Display for Report {
         let pct = |x: f64| format!("{:.1}%", x * 100.0);
         writeln!(
             f,
-            "requests        {}   blocks {} ({} distinct, {} KiB each)   steps {}",
+            "requests        {}   blocks {} ({} distinct, {} each)   steps {}",
             self.requests,
             self.blocks,
             self.distinct_blocks,
-            self.block_bytes >> 10,
+            super::fmt_bytes(self.block_bytes),
             self.steps
         )?;
         writeln!(
             f,
-            "hit ratio       {} overall = {} primary + {} promoted from secondary tiers",
+            "hit ratio       {} overall = {} primary + {} promoted from secondary tiers + {} stored by another request",
             pct(self.hit_ratio),
             pct(self.primary_hit_ratio),
-            pct(self.secondary_hit_ratio)
+            pct(self.secondary_hit_ratio),
+            pct(self.pending_hit_ratio)
         )?;
         writeln!(
             f,
@@ -415,25 +489,37 @@ impl std::fmt::Display for Report {
         writeln!(
             f,
             "promotions      {} started, {} succeeded, {} failed; {} requests gave up waiting",
-            self.promotions[0], self.promotions[1], self.promotions[2], self.gave_up_waiting
+            self.promotions.started,
+            self.promotions.succeeded,
+            self.promotions.failed,
+            self.gave_up_waiting
         )?;
         writeln!(
             f,
-            "primary         {} blocks, {} evictions, {} stores refused",
-            self.primary_blocks, self.primary_evictions, self.stores_refused
+            "primary         {} blocks, {}, {} evictions, {} stores refused",
+            self.primary_blocks, self.primary_policy, self.primary_evictions, self.stores_refused
         )?;
         for (i, t) in self.tiers.iter().enumerate() {
             writeln!(
                 f,
-                "tier {i}          {} / {} blocks ({} found at start), {} cascaded, {} evictions, {} failures, {}, {}",
+                "tier {i}          {} / {} blocks, {}, {} cascaded, {} evictions, {} failures, {}, {}",
                 t.blocks,
                 t.capacity_blocks,
-                t.recovered,
+                t.policy,
                 t.cascaded,
                 t.evictions,
                 t.failures,
                 t.health,
                 if t.direct_io { "O_DIRECT" } else { "buffered" }
+            )?;
+            writeln!(
+                f,
+                "                skipped cascades: {} back-pressure, {} tier down, {} tier full; at open: {} blocks found, {} records dropped",
+                t.skipped_backpressure,
+                t.skipped_down,
+                t.skipped_full,
+                t.recovered,
+                t.dropped_at_open
             )?;
         }
         writeln!(

@@ -12,8 +12,41 @@ use super::BenchError;
 pub struct TierSettings {
     /// The tier's directory; `None`: a temporary directory removed afterwards.
     pub path: Option<PathBuf>,
-    /// Its capacity in bytes.
+    /// Its capacity in bytes, record headers included (see docs/configuration.md).
     pub capacity_bytes: u64,
+    /// Its eviction policy (LRU unless the tier names one).
+    pub policy: PolicyKind,
+}
+
+impl TierSettings {
+    /// A tier at `path` (a temporary directory when `None`) of `capacity_bytes`, LRU.
+    pub fn new(path: Option<PathBuf>, capacity_bytes: u64) -> Self {
+        TierSettings {
+            path,
+            capacity_bytes,
+            policy: PolicyKind::Lru,
+        }
+    }
+
+    /// Parses `PATH:BYTES` (the `--tier` option); `BYTES` takes units (`64GiB`, `500M`), and
+    /// an empty `PATH` means a temporary directory.
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let (path, bytes) = spec.rsplit_once(':').ok_or_else(|| {
+            format!("expected PATH:BYTES (for example /mnt/nvme/kv:64GiB), got {spec:?}")
+        })?;
+        let capacity = parse_bytes(bytes)?;
+        let path = (!path.is_empty()).then(|| PathBuf::from(path));
+        Ok(TierSettings::new(path, capacity))
+    }
+}
+
+/// Parses a byte count: a number with an optional unit (`4096`, `512KiB`, `1.5G`, `64GiB`).
+/// Units are powers of 1024 (`K`, `KB` and `KiB` alike), as memory sizes are.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    parse_size::Config::new()
+        .with_binary()
+        .parse_size(text.trim())
+        .map_err(|e| format!("{text:?} is not a byte count ({e})"))
 }
 
 /// Everything a bench run needs besides its workload.
@@ -23,7 +56,7 @@ pub struct BenchSettings {
     pub cpu_bytes: u64,
     /// Bytes of one block (one worker).
     pub block_bytes: usize,
-    /// The eviction policy of the primary and the tiers.
+    /// The primary's eviction policy (each tier has its own).
     pub policy: PolicyKind,
     /// Directory of the shared region (default `/dev/shm`).
     pub region_dir: PathBuf,
@@ -46,10 +79,7 @@ impl Default for BenchSettings {
             block_bytes: 256 << 10,
             policy: PolicyKind::Lru,
             region_dir: PathBuf::from("/dev/shm"),
-            tiers: vec![TierSettings {
-                path: None,
-                capacity_bytes: 4 << 30,
-            }],
+            tiers: vec![TierSettings::new(None, 4 << 30)],
             batch: 4,
             copy_threads: 2,
             io_threads: 4,
@@ -68,7 +98,7 @@ pub struct FileSettings {
     pub block_size: Option<u64>,
     /// KV-cache bytes per token for one worker.
     pub bytes_per_token: Option<u64>,
-    /// "lru" or "arc".
+    /// The primary's policy: "lru" or "arc" (any case).
     pub eviction_policy: Option<String>,
     /// Directory of the shared region.
     pub region_dir: Option<PathBuf>,
@@ -89,6 +119,8 @@ pub struct FileTier {
     pub path: Option<PathBuf>,
     /// Its capacity in bytes.
     pub capacity_bytes: u64,
+    /// Its eviction policy: "lru" (the default) or "arc" (any case).
+    pub eviction_policy: Option<String>,
 }
 
 /// Parses a policy name.
@@ -143,12 +175,12 @@ impl FileSettings {
             (None, Some(_)) => return Err(bad("bytes_per_token needs block_size".into())),
             (None, None) => {}
         }
+        let policy = |field: String, p: &str| {
+            parse_policy(p)
+                .ok_or_else(|| bad(format!("{field}: expected \"lru\" or \"arc\", got {p:?}")))
+        };
         if let Some(p) = &self.eviction_policy {
-            s.policy = parse_policy(p).ok_or_else(|| {
-                bad(format!(
-                    "eviction_policy: expected \"lru\" or \"arc\", got {p:?}"
-                ))
-            })?;
+            s.policy = policy("eviction_policy".into(), p)?;
         }
         if let Some(d) = &self.region_dir {
             s.region_dir = d.clone();
@@ -167,10 +199,11 @@ impl FileSettings {
                             t.kind
                         )));
                     }
-                    Ok(TierSettings {
-                        path: t.path.clone(),
-                        capacity_bytes: t.capacity_bytes,
-                    })
+                    let mut tier = TierSettings::new(t.path.clone(), t.capacity_bytes);
+                    if let Some(p) = &t.eviction_policy {
+                        tier.policy = policy(format!("secondary_tiers[{i}].eviction_policy"), p)?;
+                    }
+                    Ok(tier)
                 })
                 .collect::<Result<_, _>>()?;
         }
@@ -248,5 +281,52 @@ secondary_tiers = [{ type = "file", capacity_bytes = 1073741824 }]
             .apply(&mut BenchSettings::default(), Path::new("c.toml"))
             .unwrap_err();
         assert!(err.to_string().contains("secondary_tiers[0].type"), "{err}");
+    }
+
+    #[test]
+    fn each_tier_has_its_own_policy() {
+        let toml = r#"
+eviction_policy = "ARC"
+[[secondary_tiers]]
+type = "file"
+capacity_bytes = 1073741824
+[[secondary_tiers]]
+type = "file"
+capacity_bytes = 1073741824
+eviction_policy = "Arc"
+"#;
+        let mut s = BenchSettings::default();
+        let f = FileSettings::parse(toml, Path::new("c.toml")).unwrap();
+        f.apply(&mut s, Path::new("c.toml")).unwrap();
+        assert_eq!(s.policy, PolicyKind::Arc, "the primary's policy, any case");
+        let tiers: Vec<PolicyKind> = s.tiers.iter().map(|t| t.policy).collect();
+        assert_eq!(tiers, [PolicyKind::Lru, PolicyKind::Arc]);
+        let bad =
+            "[[secondary_tiers]]\ntype = \"file\"\ncapacity_bytes = 1\neviction_policy = \"mru\"";
+        let err = FileSettings::parse(bad, Path::new("c.toml"))
+            .unwrap()
+            .apply(&mut BenchSettings::default(), Path::new("c.toml"))
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("secondary_tiers[0].eviction_policy"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn tier_options_and_byte_counts_parse() {
+        let t = TierSettings::parse("/mnt/nvme/kv:64GiB").unwrap();
+        assert_eq!(t.path.as_deref(), Some(Path::new("/mnt/nvme/kv")));
+        assert_eq!(t.capacity_bytes, 64 << 30);
+        let t = TierSettings::parse(":512M").unwrap();
+        assert_eq!((t.path, t.capacity_bytes), (None, 512 << 20));
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("16KiB").unwrap(), 16 << 10);
+        assert_eq!(parse_bytes("16kb").unwrap(), 16 << 10);
+        let err = TierSettings::parse("/mnt/nvme").unwrap_err();
+        assert!(err.contains("PATH:BYTES"), "{err}");
+        let err = parse_bytes("lots").unwrap_err();
+        assert!(err.contains("not a byte count"), "{err}");
     }
 }

@@ -1,6 +1,6 @@
 //! Workloads for `kvtier bench`: a Mooncake-format trace, or the embedded synthetic chat mix.
 
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::path::Path;
 
 use rand::rngs::SmallRng;
@@ -17,9 +17,8 @@ pub struct Request {
     pub blocks: Vec<u64>,
 }
 
-/// A Mooncake trace line.
+/// A Mooncake trace line. Fields beyond these (a session id, a model name) are ignored.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct TraceLine {
     #[allow(dead_code)]
     timestamp: u64,
@@ -30,35 +29,105 @@ struct TraceLine {
     hash_ids: Vec<u64>,
 }
 
+/// Bounds on what reading a trace may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceLimits {
+    /// Requests to read at most (the rest of the trace is not read).
+    pub max_requests: usize,
+    /// Bytes of one line at most: a longer line is an error, not an unbounded allocation.
+    pub max_line_bytes: usize,
+    /// Bytes of memory the requests read may take at most.
+    pub max_memory_bytes: u64,
+}
+
+impl Default for TraceLimits {
+    fn default() -> Self {
+        TraceLimits {
+            max_requests: usize::MAX,
+            max_line_bytes: 1 << 20,
+            max_memory_bytes: super::memory_budget(),
+        }
+    }
+}
+
 /// Reads a Mooncake-format JSONL trace (`timestamp`, `input_length`, `output_length`,
-/// `hash_ids`; one hash id per block). Blank lines are skipped; a malformed line is an error
-/// naming its number.
+/// `hash_ids`; one hash id per block; other fields are ignored). Blank lines are skipped; a
+/// malformed or overlong line is an error naming its number.
 pub fn read_trace(path: &Path) -> Result<Vec<Request>, BenchError> {
+    read_trace_with(path, TraceLimits::default())
+}
+
+/// [`read_trace`] within `limits`.
+pub fn read_trace_with(path: &Path, limits: TraceLimits) -> Result<Vec<Request>, BenchError> {
     let file = std::fs::File::open(path).map_err(|e| BenchError::Io {
         what: "open trace",
         path: path.to_path_buf(),
         source: e,
     })?;
-    parse_trace(std::io::BufReader::new(file), path)
+    parse_trace_with(std::io::BufReader::new(file), path, limits)
 }
 
 /// Parses trace lines from `reader` (`path` names it in errors).
 pub fn parse_trace(reader: impl BufRead, path: &Path) -> Result<Vec<Request>, BenchError> {
+    parse_trace_with(reader, path, TraceLimits::default())
+}
+
+/// [`parse_trace`] within `limits`.
+pub fn parse_trace_with(
+    mut reader: impl BufRead,
+    path: &Path,
+    limits: TraceLimits,
+) -> Result<Vec<Request>, BenchError> {
     let mut out = Vec::new();
-    for (i, line) in reader.lines().enumerate() {
-        let line = line.map_err(|e| BenchError::Io {
-            what: "read trace",
-            path: path.to_path_buf(),
-            source: e,
-        })?;
-        if line.trim().is_empty() {
+    let mut line = Vec::new();
+    let mut memory = 0u64;
+    let bad = |line: usize, reason: String| BenchError::Trace {
+        path: path.to_path_buf(),
+        line,
+        reason,
+    };
+    for i in 1.. {
+        if out.len() >= limits.max_requests {
+            break;
+        }
+        line.clear();
+        // One byte past the bound tells an overlong line from one of exactly the bound.
+        let n = (&mut reader)
+            .take(limits.max_line_bytes as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .map_err(|e| BenchError::Io {
+                what: "read trace",
+                path: path.to_path_buf(),
+                source: e,
+            })?;
+        if n == 0 {
+            break;
+        }
+        if line.last() == Some(&b'\n') {
+            line.pop();
+        } else if n > limits.max_line_bytes {
+            return Err(bad(
+                i,
+                format!(
+                    "line longer than {} bytes (is this a JSONL trace?)",
+                    limits.max_line_bytes
+                ),
+            ));
+        }
+        if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let t: TraceLine = serde_json::from_str(&line).map_err(|e| BenchError::Trace {
-            path: path.to_path_buf(),
-            line: i + 1,
-            reason: e.to_string(),
-        })?;
+        let t: TraceLine = serde_json::from_slice(&line).map_err(|e| bad(i, e.to_string()))?;
+        memory += request_bytes(t.hash_ids.len());
+        if memory > limits.max_memory_bytes {
+            return Err(bad(
+                i,
+                format!(
+                    "the trace up to here needs more than {} of memory; replay fewer requests (--requests)",
+                    super::approx_bytes(limits.max_memory_bytes)
+                ),
+            ));
+        }
         out.push(Request { blocks: t.hash_ids });
     }
     if out.is_empty() {
@@ -107,7 +176,36 @@ impl Default for Synthetic {
     }
 }
 
+/// Bytes of memory a request of `blocks` blocks takes, with its share of the bench's
+/// bookkeeping of it (the list of references and Belady's index over them).
+pub(crate) fn request_bytes(blocks: usize) -> u64 {
+    (blocks as u64).saturating_mul(8 + 48).saturating_add(64)
+}
+
 impl Synthetic {
+    /// Bytes of memory the requests will take at most.
+    pub fn memory_bytes(&self) -> u64 {
+        let longest =
+            self.system_blocks as usize + self.max_blocks as usize + self.turn_blocks as usize;
+        request_bytes(longest).saturating_mul(self.requests as u64)
+    }
+
+    /// Checks that generating fits in `budget` bytes of memory, before anything is allocated.
+    pub fn check(&self, budget: u64) -> Result<(), BenchError> {
+        if self.memory_bytes() > budget {
+            return Err(BenchError::Config {
+                path: "-".into(),
+                reason: format!(
+                    "requests: {} requests need up to {} of memory, more than the {} this machine can spare",
+                    self.requests,
+                    super::approx_bytes(self.memory_bytes()),
+                    super::approx_bytes(budget)
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Generates the requests.
     pub fn generate(&self) -> Vec<Request> {
         let mut rng = SmallRng::seed_from_u64(self.seed);
@@ -150,6 +248,84 @@ mod tests {
         let first = text.lines().next().unwrap();
         let ok = parse_trace(first.as_bytes(), Path::new("t.jsonl")).unwrap();
         assert_eq!(ok, vec![Request { blocks: vec![1, 2] }]);
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let text = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session_id\": \"a\", \"hash_ids\": [4]}\n";
+        let ok = parse_trace(text.as_bytes(), Path::new("t.jsonl")).unwrap();
+        assert_eq!(ok, vec![Request { blocks: vec![4] }]);
+    }
+
+    #[test]
+    fn an_overlong_line_is_an_error_not_an_allocation() {
+        let limits = TraceLimits {
+            max_line_bytes: 64,
+            ..TraceLimits::default()
+        };
+        let line =
+            "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}";
+        assert!(line.len() > 64);
+        let err = parse_trace_with(line.as_bytes(), Path::new("t"), limits).unwrap_err();
+        assert!(
+            err.to_string().contains("t:1: line longer than 64 bytes"),
+            "{err}"
+        );
+        // An endless stream without newlines (`--trace /dev/zero`) stops at the bound.
+        let zeros = std::io::BufReader::new(std::io::repeat(0));
+        let err = parse_trace_with(zeros, Path::new("z"), limits).unwrap_err();
+        assert!(err.to_string().contains("line longer"), "{err}");
+        // Exactly at the bound is fine.
+        let fits = TraceLimits {
+            max_line_bytes: line.len(),
+            ..limits
+        };
+        assert_eq!(
+            parse_trace_with(line.as_bytes(), Path::new("t"), fits)
+                .unwrap()
+                .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn reading_stops_at_the_request_and_memory_bounds() {
+        let line =
+            "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1, 2]}\n";
+        let text = line.repeat(10);
+        let first = TraceLimits {
+            max_requests: 3,
+            ..TraceLimits::default()
+        };
+        assert_eq!(
+            parse_trace_with(text.as_bytes(), Path::new("t"), first)
+                .unwrap()
+                .len(),
+            3
+        );
+        let small = TraceLimits {
+            max_memory_bytes: 4 * request_bytes(2),
+            ..TraceLimits::default()
+        };
+        let err = parse_trace_with(text.as_bytes(), Path::new("t"), small).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("t:5: the trace up to here needs more than"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_huge_request_count_is_refused_before_allocating() {
+        for requests in [usize::MAX, 100_000_000_000] {
+            let s = Synthetic {
+                requests,
+                ..Synthetic::default()
+            };
+            let err = s.check(1 << 34).unwrap_err();
+            assert!(err.to_string().contains("requests:"), "{err}");
+        }
+        Synthetic::default().check(1 << 30).unwrap();
     }
 
     #[test]

@@ -1,12 +1,17 @@
 //! The `kvtier` command: `kvtier bench` replays a workload through real memory and disk tiers
 //! and reports hit ratios, bandwidth and latency.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvtier_hw::bench::{self, BenchError, BenchSettings, FileSettings, Progress, Synthetic};
+use kvtier_hw::bench::{
+    self, BenchError, BenchSettings, FileSettings, Progress, Synthetic, TierSettings, TraceLimits,
+};
 
 #[derive(Parser)]
 #[command(
@@ -29,20 +34,31 @@ enum Command {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// A Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
+    /// A Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids;
+    /// other fields are ignored).
     #[arg(long)]
     trace: Option<PathBuf>,
     /// A TOML or JSON configuration (cpu_bytes_to_use, block_size, bytes_per_token,
-    /// eviction_policy, secondary_tiers = [{type = "file", path, capacity_bytes}]).
+    /// eviction_policy, secondary_tiers = [{type = "file", path, capacity_bytes,
+    /// eviction_policy}]).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Bytes per block (overrides the configuration).
-    #[arg(long)]
-    block_bytes: Option<usize>,
-    /// Eviction policy of every tier.
-    #[arg(long, value_parser = ["lru", "arc"])]
+    /// Bytes of the primary region, with units (`2GiB`); overrides the configuration.
+    #[arg(long, value_parser = bench::parse_bytes)]
+    cpu_bytes: Option<u64>,
+    /// A secondary file tier, `PATH:BYTES` (`/mnt/nvme/kv:64GiB`; an empty PATH is a
+    /// temporary directory). Repeat for more tiers, in cascade order; replaces the
+    /// configuration's tiers.
+    #[arg(long = "tier", value_name = "PATH:BYTES", value_parser = TierSettings::parse)]
+    tiers: Vec<TierSettings>,
+    /// Bytes per block, with units (`16KiB`); overrides the configuration.
+    #[arg(long, value_parser = bench::parse_bytes)]
+    block_bytes: Option<u64>,
+    /// Eviction policy of the primary tier (secondary tiers take theirs from the
+    /// configuration, LRU by default).
+    #[arg(long, ignore_case = true, value_parser = ["lru", "arc"])]
     policy: Option<String>,
-    /// Requests of the synthetic workload.
+    /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
     requests: Option<usize>,
     /// Print the report as JSON.
@@ -50,34 +66,56 @@ struct BenchArgs {
     json: bool,
 }
 
-struct Bar(ProgressBar);
+struct Bar {
+    bar: ProgressBar,
+    stop: Arc<AtomicBool>,
+}
 
 impl Progress for Bar {
     fn update(&mut self, done: u64, total: u64) {
-        self.0.set_length(total);
-        self.0.set_position(done);
+        self.bar.set_length(total);
+        self.bar.set_position(done);
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
     }
 }
 
-fn bench(args: BenchArgs) -> Result<(), BenchError> {
+fn bench(args: BenchArgs, stop: Arc<AtomicBool>) -> Result<(), BenchError> {
     let mut settings = BenchSettings::default();
     if let Some(path) = &args.config {
         FileSettings::read(path)?.apply(&mut settings, path)?;
     }
+    if let Some(b) = args.cpu_bytes {
+        settings.cpu_bytes = b;
+    }
+    if !args.tiers.is_empty() {
+        settings.tiers = args.tiers.clone();
+    }
     if let Some(b) = args.block_bytes {
-        settings.block_bytes = b;
+        settings.block_bytes = usize::try_from(b).unwrap_or(usize::MAX);
     }
     if let Some(p) = &args.policy {
         settings.policy = bench::parse_policy(p).expect("clap checked the value");
     }
     settings.validate(args.config.as_deref().unwrap_or(Path::new("-")))?;
+    let budget = bench::memory_budget();
     let requests = match &args.trace {
-        Some(t) => bench::read_trace(t)?,
+        Some(t) => {
+            let limits = TraceLimits {
+                max_requests: args.requests.unwrap_or(usize::MAX),
+                max_memory_bytes: budget,
+                ..TraceLimits::default()
+            };
+            bench::read_trace_with(t, limits)?
+        }
         None => {
             let mut s = Synthetic::default();
             if let Some(n) = args.requests {
                 s.requests = n;
             }
+            s.check(budget)?;
             s.generate()
         }
     };
@@ -89,9 +127,10 @@ fn bench(args: BenchArgs) -> Result<(), BenchError> {
         .expect("valid template")
         .progress_chars("=> "),
     );
-    let mut progress = Bar(bar);
-    let report = bench::run(&settings, &requests, &mut progress)?;
-    progress.0.finish_and_clear();
+    let mut progress = Bar { bar, stop };
+    let report = bench::run(&settings, &requests, &mut progress);
+    progress.bar.finish_and_clear();
+    let report = report?;
     let out = if args.json {
         serde_json::to_string_pretty(&report).expect("the report serializes")
     } else {
@@ -111,10 +150,22 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
+    // SIGINT and SIGTERM ask the run to stop: it ends its jobs and removes its region and
+    // temporary tiers before it exits. A second signal exits at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    if let Err(e) = ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::Relaxed) {
+            std::process::exit(130);
+        }
+    }) {
+        tracing::warn!(error = %e, "no signal handler: an interrupted run leaves its files behind");
+    }
     let result = match cli.command {
-        Command::Bench(args) => bench(args),
+        Command::Bench(args) => bench(args, stop),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -123,7 +174,11 @@ fn main() -> ExitCode {
             {
                 eprintln!("kvtier: {e}");
             }
-            ExitCode::FAILURE
+            if matches!(e, BenchError::Interrupted { .. }) {
+                ExitCode::from(130)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
