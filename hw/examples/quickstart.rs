@@ -8,6 +8,7 @@ use kvtier_hw::{
     Driver, DriverOptions, FileStore, HostEngine, HostMemory, Layout, Region, SecondaryStore,
 };
 
+#[allow(clippy::print_stdout)] // an example reports what it did
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?; // in production: /dev/shm for the region, an NVMe path for the tier
     let layout = Layout::new(2, 1, 256 << 10)?; // 2 slots of 256 KiB, one worker
@@ -37,7 +38,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             driver.wait(t)?; // device -> region; then the core cascades it to the file tier
         }
         driver.settle(2);
+        println!("stored block {i}: device -> region, cascaded to the file tier");
     }
+    let stats = driver.manager().stats();
+    println!(
+        "primary holds {} of {} blocks ({} evicted); the file tier holds {}",
+        driver.manager().primary().len(),
+        layout.rows,
+        stats.evictions,
+        stats.tiers[0].1.blocks
+    );
     // Block 0 was evicted from the 2-slot primary; the file tier still has it.
     let mut answer = driver.lookup(req, &blocks[0]);
     while answer == Lookup::Retry {
@@ -45,6 +55,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         answer = driver.lookup(req, &blocks[0]);
     }
     assert_eq!(answer, Lookup::Hit);
+    println!("block 0: evicted from the primary, promoted back from the file tier");
     let t = driver.load(req, &[(blocks[0].clone(), 1 << 18)])?; // region -> device
     driver.wait(t)?;
     let mut back = vec![1u8; 256 << 10];
@@ -53,8 +64,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         back.iter().all(|&b| b == 0),
         "the promoted block has the stored bytes"
     );
+    println!("block 0: loaded region -> device, {} bytes verified", back.len());
     driver.end_step();
     let report = driver.shutdown();
     assert_eq!(report.abandoned, 0);
+    println!(
+        "shut down: {} in-flight jobs drained, {} abandoned",
+        report.drained, report.abandoned
+    );
     Ok(())
 }
