@@ -64,7 +64,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         back.iter().all(|&b| b == 0),
         "the promoted block has the stored bytes"
     );
-    println!("block 0: loaded region -> device, {} bytes verified", back.len());
+    println!(
+        "block 0: loaded region -> device, {} bytes verified",
+        back.len()
+    );
     driver.end_step();
     let report = driver.shutdown();
     assert_eq!(report.abandoned, 0);
