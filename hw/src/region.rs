@@ -50,6 +50,16 @@ pub enum RegionError {
         /// Bytes free on its filesystem.
         available: u64,
     },
+    /// The file at the region's path is not one this process may map: a symbolic link, not a
+    /// regular file, another user's, or open to other users (who could have planted it or
+    /// could read the cache through it).
+    #[error("refusing the region {path}: {reason}")]
+    Untrusted {
+        /// The region file.
+        path: PathBuf,
+        /// Why it is refused.
+        reason: String,
+    },
     /// `attach` waited too long for the creator.
     #[error("no region appeared at {path} within {waited:?}")]
     AttachTimeout {
@@ -273,6 +283,43 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> R
     }
 }
 
+fn untrusted(path: &Path, reason: String) -> RegionError {
+    RegionError::Untrusted {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+/// Checks that `file` (opened from `path` without following a symbolic link) is a regular
+/// file of this process's user that nobody else may read or write.
+fn check_trusted(file: &File, path: &Path) -> Result<(), RegionError> {
+    use std::os::unix::fs::MetadataExt;
+    let md = file.metadata().map_err(io_err("stat", path))?;
+    if !md.file_type().is_file() {
+        return Err(untrusted(path, "it is not a regular file".into()));
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if md.uid() != me {
+        return Err(untrusted(
+            path,
+            format!(
+                "it belongs to uid {}, not to this process's uid {me}",
+                md.uid()
+            ),
+        ));
+    }
+    let mode = md.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(untrusted(
+            path,
+            format!(
+                "its mode is {mode:04o}: a region must be readable and writable by its owner alone (0600)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Bytes free on the filesystem holding `dir`.
 pub fn free_bytes(dir: &Path) -> io::Result<u64> {
     use std::os::unix::ffi::OsStrExt;
@@ -381,6 +428,10 @@ impl Region {
 
     /// Attaches to a region another process created, waiting up to `timeout` for it to
     /// appear; its size must match `layout`.
+    ///
+    /// The path must name a regular file (a symbolic link is not followed) owned by this
+    /// process's user with no group or other permission bits; anything else is refused with
+    /// [`RegionError::Untrusted`].
     pub fn attach(
         path: &Path,
         layout: Layout,
@@ -389,8 +440,19 @@ impl Region {
     ) -> Result<Self, RegionError> {
         let start = Instant::now();
         let file = loop {
-            match OpenOptions::new().read(true).write(true).open(path) {
+            match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(path)
+            {
                 Ok(f) => break f,
+                Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                    return Err(untrusted(path, "it is a symbolic link".into()));
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+                    return Err(untrusted(path, "it is not a regular file".into()));
+                }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if start.elapsed() >= timeout {
                         return Err(RegionError::AttachTimeout {
@@ -403,6 +465,7 @@ impl Region {
                 Err(e) => return Err(io_err("open", path)(e)),
             }
         };
+        check_trusted(&file, path)?;
         let region = Self::map(file, path, layout, false)?;
         region.mapping.prefault(prefault_threads);
         Ok(region)
@@ -670,5 +733,86 @@ impl HostMemory {
     ) -> Result<R, RegionError> {
         // The transfer's claim excludes every other reader and writer of the range.
         self.mapping.with_mut(offset, len, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn layout() -> Layout {
+        Layout::new(4, 1, PAGE).unwrap()
+    }
+
+    fn attach(path: &Path) -> Result<Region, RegionError> {
+        Region::attach(path, layout(), Duration::from_millis(20), 1)
+    }
+
+    fn untrusted_reason(r: Result<Region, RegionError>) -> String {
+        match r {
+            Err(RegionError::Untrusted { reason, .. }) => reason,
+            other => panic!("expected an untrusted-file refusal, got {other:?}"),
+        }
+    }
+
+    /// A symbolic link at the region's path is refused, even to a real region.
+    #[test]
+    fn attach_refuses_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        let _owner = Region::create(&real, layout(), 1).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let reason = untrusted_reason(attach(&link));
+        assert!(reason.contains("symbolic link"), "{reason}");
+        attach(&real).unwrap();
+    }
+
+    /// A file other users may read or write is refused: another user could have planted it,
+    /// or could read the cache through it.
+    #[test]
+    fn attach_refuses_a_file_open_to_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        let _owner = Region::create(&path, layout(), 1).unwrap();
+        for mode in [0o666, 0o640, 0o602] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let reason = untrusted_reason(attach(&path));
+            assert!(reason.contains(&format!("{mode:04o}")), "{reason}");
+        }
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        attach(&path).unwrap();
+        // A planted file of the right size, world-writable, is refused the same way.
+        let planted = dir.path().join("planted");
+        let f = File::create(&planted).unwrap();
+        f.set_len(layout().total_bytes() as u64).unwrap();
+        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o666)).unwrap();
+        untrusted_reason(attach(&planted));
+    }
+
+    /// A directory (or anything but a regular file) at the path is refused.
+    #[test]
+    fn attach_refuses_what_is_not_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        std::fs::create_dir(&path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let reason = untrusted_reason(attach(&path));
+        assert!(reason.contains("not a regular file"), "{reason}");
+    }
+
+    /// Another user's file is refused (the check needs root to hand a file to another uid).
+    #[test]
+    fn attach_refuses_another_users_file() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        let _owner = Region::create(&path, layout(), 1).unwrap();
+        std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+        let reason = untrusted_reason(attach(&path));
+        assert!(reason.contains("uid 65534"), "{reason}");
     }
 }
