@@ -408,6 +408,10 @@ impl Region {
                 io_err("reserve", path)(e)
             })
         })?;
+        #[cfg(test)]
+        if let Some(hook) = tests::AFTER_RESERVE.get() {
+            hook(&file, &tmp);
+        }
         // Publish under the final name atomically: a link fails if another creator won.
         if let Err(e) = std::fs::hard_link(&tmp, path) {
             let _ = std::fs::remove_file(&tmp);
@@ -420,7 +424,10 @@ impl Region {
             });
         }
         let _ = std::fs::remove_file(&tmp);
-        let region = Self::map(file, path, layout, true)?;
+        let region = Self::map(file, path, layout, true).inspect_err(|_| {
+            // Published but unusable: nobody may attach to it.
+            let _ = std::fs::remove_file(path);
+        })?;
         region.mapping.prefault(prefault_threads);
         tracing::info!(path = %path.display(), bytes = total, rows = layout.rows, "region created");
         Ok(region)
@@ -740,6 +747,41 @@ impl HostMemory {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// A hook `create` calls with the temporary file and its path.
+    pub(super) type Hook = fn(&File, &Path);
+
+    thread_local! {
+        /// Called by `create` on this thread once the temporary file has its full size,
+        /// before it is published.
+        pub(super) static AFTER_RESERVE: std::cell::Cell<Option<Hook>> =
+            const { std::cell::Cell::new(None) };
+    }
+
+    /// The names in `dir`, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A failure after the region is published (here: a mapping of the wrong size, because
+    /// the file shrank before it was published) removes the published file and everything
+    /// else `create` made.
+    #[test]
+    fn a_failure_after_publishing_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        AFTER_RESERVE.set(Some(|file, _| file.set_len(PAGE as u64).unwrap()));
+        let r = Region::create(&path, layout(), 1);
+        AFTER_RESERVE.set(None);
+        assert!(matches!(r, Err(RegionError::SizeMismatch { .. })), "{r:?}");
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+        Region::create(&path, layout(), 1).unwrap();
+    }
 
     fn layout() -> Layout {
         Layout::new(4, 1, PAGE).unwrap()
