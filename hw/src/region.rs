@@ -8,11 +8,18 @@
 //!
 //! Who may touch a row is decided by the core, never by this module: the driver only asks for
 //! rows of slots that a job owns (see the `SAFETY:` comments and the invariants they name).
+//!
+//! The process that creates a region owns it: it holds a lock on the region's owner record
+//! (`.NAME.kvtier-owner`, beside it) for the region's whole life and removes both when done.
+//! An owner that dies leaves its files with the lock free, and the next owner in the directory
+//! sweeps them (the `owner` submodule describes the files and the rules). Attaching
+//! processes take no lock, and map only a regular file of their own user that nobody else
+//! may open.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -20,6 +27,10 @@ use kvtier_core::SlotId;
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::sync::{Mutex, lock};
+
+mod owner;
+
+use owner::{Claim, FileId, Owner};
 
 /// The page size every sub-slot and row is aligned to.
 pub const PAGE: usize = 4096;
@@ -32,10 +43,21 @@ pub const fn page_align(n: usize) -> usize {
 /// An error creating, attaching or using a memory region.
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
-    /// The region file already exists (another process created it): attach instead.
-    #[error("region {path} already exists; attach to it or remove it")]
+    /// The region exists and its owner is alive: attach instead.
+    #[error("region {path} already exists and its owner{} is alive; attach to it, or stop that process first", pid.map_or(String::new(), |p| format!(", process {p},")))]
     Exists {
         /// The region file.
+        path: PathBuf,
+        /// The owner's process id, as its owner record says (`None` while a new owner has
+        /// not written it yet).
+        pid: Option<u32>,
+    },
+    /// A file kvtier does not own is at the region's path: it is never removed.
+    #[error(
+        "{path} exists and is not a region left by a kvtier process that died; remove it or choose another path"
+    )]
+    Foreign {
+        /// The file.
         path: PathBuf,
     },
     /// The filesystem holding the region lacks room for it.
@@ -49,6 +71,16 @@ pub enum RegionError {
         needed: u64,
         /// Bytes free on its filesystem.
         available: u64,
+    },
+    /// The file at the region's path is not one this process may map: a symbolic link, not a
+    /// regular file, another user's, or open to other users (who could have planted it or
+    /// could read the cache through it).
+    #[error("refusing the region {path}: {reason}")]
+    Untrusted {
+        /// The region file.
+        path: PathBuf,
+        /// Why it is refused.
+        reason: String,
     },
     /// `attach` waited too long for the creator.
     #[error("no region appeared at {path} within {waited:?}")]
@@ -247,12 +279,14 @@ impl Mapping {
 /// The primary tier's memory: a shared mapping of a file, one row per slot.
 ///
 /// The creating process owns the file and removes it when the region is dropped; other
-/// processes [`attach`](Region::attach).
+/// processes [`attach`](Region::attach). If the owner dies without dropping it, the next
+/// [`create`](Region::create) or [`sweep`](Region::sweep) in the directory removes it.
 pub struct Region {
     mapping: Mapping,
     layout: Layout,
     path: PathBuf,
-    owner: bool,
+    /// The locked owner record and the region file's identity, in the owning process.
+    owner: Option<(Owner, FileId)>,
 }
 
 impl std::fmt::Debug for Region {
@@ -260,7 +294,7 @@ impl std::fmt::Debug for Region {
         f.debug_struct("Region")
             .field("path", &self.path)
             .field("layout", &self.layout)
-            .field("owner", &self.owner)
+            .field("owner", &self.owner.is_some())
             .finish()
     }
 }
@@ -271,6 +305,124 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> R
         path: path.to_path_buf(),
         source,
     }
+}
+
+fn bad_name(path: &Path, why: &'static str) -> RegionError {
+    RegionError::Io {
+        what: "use as a region",
+        path: path.to_path_buf(),
+        source: io::Error::new(io::ErrorKind::InvalidInput, why),
+    }
+}
+
+/// Whether a process with this id exists.
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    matches!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+        Ok(()) | Err(nix::errno::Errno::EPERM)
+    )
+}
+
+/// Claims the name of the region `path` (in `dir`) for a new region.
+///
+/// A lock held without a live process's id in the record is most likely a moment's: a new
+/// owner that has not written its pid yet, or a sweep looking at a dead owner's record. It
+/// is tried again for a short while before the region is said to exist.
+fn claim_to_create(dir: &Path, name: &std::ffi::OsStr, path: &Path) -> Result<Owner, RegionError> {
+    const PATIENCE: Duration = Duration::from_millis(100);
+    let start = Instant::now();
+    loop {
+        match Owner::claim(dir, name, true)? {
+            Claim::Owned(owner) => return Ok(owner),
+            Claim::Live(pid) => {
+                if pid.is_some_and(process_alive) || start.elapsed() >= PATIENCE {
+                    return Err(RegionError::Exists {
+                        path: path.to_path_buf(),
+                        pid,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Removed between the open and the lock: open (create) it again.
+            Claim::Gone => {}
+        }
+    }
+}
+
+/// A creation in progress: on an error (or a panic) it removes what it made, the creating
+/// file, the published region and the owner record, and lets go of the record's lock.
+struct Creation<'a> {
+    owner: Option<Owner>,
+    region: &'a Path,
+    creating: Option<PathBuf>,
+    published: Option<FileId>,
+}
+
+impl Creation<'_> {
+    /// The creation succeeded: the owner record and the region's identity, for the region.
+    fn finish(mut self) -> Option<(Owner, FileId)> {
+        self.creating = None;
+        let id = self.published.take()?;
+        Some((self.owner.take()?, id))
+    }
+}
+
+impl Drop for Creation<'_> {
+    fn drop(&mut self) {
+        if let Some(tmp) = self.creating.take() {
+            let _ = std::fs::remove_file(tmp);
+        }
+        if let Some(id) = self.published.take()
+            && let Err(e) = owner::remove_if_same(self.region, id, false)
+        {
+            tracing::warn!(error = %e, "region file not removed");
+        }
+        if let Some(owner) = self.owner.take()
+            && let Err(e) = owner.release()
+        {
+            tracing::warn!(error = %e, "owner record not removed");
+        }
+    }
+}
+
+fn untrusted(path: &Path, reason: String) -> RegionError {
+    RegionError::Untrusted {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+/// Checks that `file` (opened from `path` without following a symbolic link) is a regular
+/// file of this process's user that nobody else may read or write.
+fn check_trusted(file: &File, path: &Path) -> Result<(), RegionError> {
+    use std::os::unix::fs::MetadataExt;
+    let md = file.metadata().map_err(io_err("stat", path))?;
+    if !md.file_type().is_file() {
+        return Err(untrusted(path, "it is not a regular file".into()));
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if md.uid() != me {
+        return Err(untrusted(
+            path,
+            format!(
+                "it belongs to uid {}, not to this process's uid {me}",
+                md.uid()
+            ),
+        ));
+    }
+    let mode = md.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(untrusted(
+            path,
+            format!(
+                "its mode is {mode:04o}: a region must be readable and writable by its owner alone (0600)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Bytes free on the filesystem holding `dir`.
@@ -302,11 +454,18 @@ pub(crate) fn reserve(file: &File, len: u64) -> io::Result<()> {
 }
 
 impl Region {
-    /// Creates the region file at `path` exclusively (mode 0600), reserves its room, maps it
-    /// and faults it in on `prefault_threads` threads.
+    /// Creates the region file at `path` (mode 0600), reserves its room, maps it and faults it
+    /// in on `prefault_threads` threads.
     ///
     /// The file appears at `path` only once it has its full size, so a process attaching
     /// never maps a short file.
+    ///
+    /// The new region is owned by this process: its owner record beside it
+    /// (`.NAME.kvtier-owner`) is locked until the region is dropped, when the region and the
+    /// record are removed. First, every region in the same directory whose owner died is
+    /// swept (see [`Region::sweep`]), and a dead owner's region at `path` itself is replaced.
+    /// A region at `path` whose owner is alive is [`RegionError::Exists`] (naming its pid);
+    /// any other file there is [`RegionError::Foreign`] and is left alone.
     pub fn create(
         path: &Path,
         layout: Layout,
@@ -317,41 +476,67 @@ impl Region {
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        if path.exists() {
-            return Err(RegionError::Exists {
+        let name = match path.file_name() {
+            Some(n) if owner::is_region_name(n) => n,
+            Some(_) => return Err(bad_name(path, "the name is kept for kvtier's own files")),
+            None => return Err(bad_name(path, "the path has no file name")),
+        };
+        match Self::sweep(dir) {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(?removed, "removed the regions of processes that died");
+            }
+            Ok(_) => {}
+            // The sweep is a courtesy to the directory; this region's own name is claimed
+            // (and its leftovers removed) below regardless.
+            Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "sweep failed"),
+        }
+        let owner = claim_to_create(dir, name, path)?;
+        let mut creation = Creation {
+            owner: Some(owner),
+            region: path,
+            creating: None,
+            published: None,
+        };
+        let owner = creation.owner.as_ref().expect("set above");
+        owner.remove_leftovers()?;
+        if std::fs::symlink_metadata(path).is_ok() {
+            return Err(RegionError::Foreign {
                 path: path.to_path_buf(),
             });
         }
-        let tmp = path.with_file_name(format!(
-            ".{}.creating-{}",
-            path.file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or("region"),
-            std::process::id()
-        ));
+        owner.write(None)?;
+        let tmp = dir.join(owner::creating_name(name, std::process::id()));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)
             .map_err(io_err("create", &tmp))?;
-        let cleanup = |e: RegionError| {
-            let _ = std::fs::remove_file(&tmp);
-            e
+        creation.creating = Some(tmp.clone());
+        // Whatever the umask: attachers require the owner's read and write bits.
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(io_err("chmod", &tmp))?;
+        let id = |file: &File| -> Result<FileId, RegionError> {
+            let md = file.metadata().map_err(io_err("stat", &tmp))?;
+            Ok(FileId::with_len(&md, total))
         };
+        // Recorded before the room is taken: if this process dies from here on, the next
+        // owner of the name knows which file was its region.
+        owner.write(Some(id(&file)?))?;
         // Refuse at once what cannot fit: on tmpfs, a reservation that runs out of room
         // would first take every free page.
         let available = free_bytes(dir).map_err(io_err("statvfs", dir))?;
         if available < total {
-            return Err(cleanup(RegionError::NoSpace {
+            return Err(RegionError::NoSpace {
                 path: path.to_path_buf(),
                 needed: total,
                 available,
-            }));
+            });
         }
         reserve(&file, total).map_err(|e| {
-            cleanup(if e.raw_os_error() == Some(libc::ENOSPC) {
+            if e.raw_os_error() == Some(libc::ENOSPC) {
                 RegionError::NoSpace {
                     path: path.to_path_buf(),
                     needed: total,
@@ -359,28 +544,58 @@ impl Region {
                 }
             } else {
                 io_err("reserve", path)(e)
-            })
+            }
         })?;
-        // Publish under the final name atomically: a link fails if another creator won.
+        #[cfg(test)]
+        if let Some(hook) = tests::AFTER_RESERVE.get() {
+            hook(&file, &tmp);
+        }
+        // Publish under the final name atomically. No kvtier process makes a file there
+        // without the record's lock, so one that appeared meanwhile is not kvtier's.
         if let Err(e) = std::fs::hard_link(&tmp, path) {
-            let _ = std::fs::remove_file(&tmp);
             return Err(if e.kind() == io::ErrorKind::AlreadyExists {
-                RegionError::Exists {
+                RegionError::Foreign {
                     path: path.to_path_buf(),
                 }
             } else {
                 io_err("publish", path)(e)
             });
         }
+        creation.published = Some(id(&file)?);
         let _ = std::fs::remove_file(&tmp);
-        let region = Self::map(file, path, layout, true)?;
+        creation.creating = None;
+        let mut region = Self::map(file, path, layout)?;
         region.mapping.prefault(prefault_threads);
+        region.owner = creation.finish();
         tracing::info!(path = %path.display(), bytes = total, rows = layout.rows, "region created");
         Ok(region)
     }
 
+    /// Removes every region in `dir` whose owner died, with its owner record and any file a
+    /// creator that died was filling; returns the files removed. A region whose owner is
+    /// alive, and every file that is not kvtier's, another user's or a symbolic link, is left
+    /// alone.
+    ///
+    /// A region's owner holds `flock(LOCK_EX)` on its owner record (`.NAME.kvtier-owner`)
+    /// for the region's whole life; the kernel lets go of the lock when the owner dies, so a
+    /// lock that can be taken means a dead owner, whatever became of its process id. The
+    /// files of a dead owner are: the region file its record names (same device, inode and
+    /// size), the record, and the name's creating files (`.NAME.kvtier-creating-PID`).
+    /// Processes that merely attached hold no lock: a region is swept once its owner died,
+    /// and those processes keep their mapping, but the name is gone.
+    ///
+    /// [`Region::create`] sweeps its directory first; calling this before creating is only
+    /// needed to report what was removed.
+    pub fn sweep(dir: &Path) -> Result<Vec<PathBuf>, RegionError> {
+        owner::sweep(dir)
+    }
+
     /// Attaches to a region another process created, waiting up to `timeout` for it to
     /// appear; its size must match `layout`.
+    ///
+    /// The path must name a regular file (a symbolic link is not followed) owned by this
+    /// process's user with no group or other permission bits; anything else is refused with
+    /// [`RegionError::Untrusted`].
     pub fn attach(
         path: &Path,
         layout: Layout,
@@ -389,8 +604,19 @@ impl Region {
     ) -> Result<Self, RegionError> {
         let start = Instant::now();
         let file = loop {
-            match OpenOptions::new().read(true).write(true).open(path) {
+            match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(path)
+            {
                 Ok(f) => break f,
+                Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                    return Err(untrusted(path, "it is a symbolic link".into()));
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+                    return Err(untrusted(path, "it is not a regular file".into()));
+                }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if start.elapsed() >= timeout {
                         return Err(RegionError::AttachTimeout {
@@ -403,12 +629,13 @@ impl Region {
                 Err(e) => return Err(io_err("open", path)(e)),
             }
         };
-        let region = Self::map(file, path, layout, false)?;
+        check_trusted(&file, path)?;
+        let region = Self::map(file, path, layout)?;
         region.mapping.prefault(prefault_threads);
         Ok(region)
     }
 
-    fn map(file: File, path: &Path, layout: Layout, owner: bool) -> Result<Self, RegionError> {
+    fn map(file: File, path: &Path, layout: Layout) -> Result<Self, RegionError> {
         let expected = layout.total_bytes() as u64;
         let found = file.metadata().map_err(io_err("stat", path))?.len();
         if found != expected {
@@ -426,7 +653,7 @@ impl Region {
             mapping: Mapping { map },
             layout,
             path: path.to_path_buf(),
-            owner,
+            owner: None,
         })
     }
 
@@ -529,10 +756,14 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if self.owner
-            && let Err(e) = std::fs::remove_file(&self.path)
-        {
-            tracing::warn!(path = %self.path.display(), error = %e, "region file not removed");
+        if let Some((owner, id)) = self.owner.take() {
+            // Only the file this process made: never one that replaced it by hand.
+            if let Err(e) = owner::remove_if_same(&self.path, id, false) {
+                tracing::warn!(path = %self.path.display(), error = %e, "region file not removed");
+            }
+            if let Err(e) = owner.release() {
+                tracing::warn!(error = %e, "owner record not removed");
+            }
         }
     }
 }
@@ -670,5 +901,406 @@ impl HostMemory {
     ) -> Result<R, RegionError> {
         // The transfer's claim excludes every other reader and writer of the range.
         self.mapping.with_mut(offset, len, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A hook `create` calls with the temporary file and its path.
+    pub(super) type Hook = fn(&File, &Path);
+
+    thread_local! {
+        /// Called by `create` on this thread once the temporary file has its full size,
+        /// before it is published.
+        pub(super) static AFTER_RESERVE: std::cell::Cell<Option<Hook>> =
+            const { std::cell::Cell::new(None) };
+    }
+
+    /// The names in `dir`, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A failure after the region is published (here: a mapping of the wrong size, because
+    /// the file shrank before it was published) removes the published file and everything
+    /// else `create` made.
+    #[test]
+    fn a_failure_after_publishing_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        AFTER_RESERVE.set(Some(|file, _| file.set_len(PAGE as u64).unwrap()));
+        let r = Region::create(&path, layout(), 1);
+        AFTER_RESERVE.set(None);
+        assert!(matches!(r, Err(RegionError::SizeMismatch { .. })), "{r:?}");
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+        Region::create(&path, layout(), 1).unwrap();
+    }
+
+    fn layout() -> Layout {
+        Layout::new(4, 1, PAGE).unwrap()
+    }
+
+    fn attach(path: &Path) -> Result<Region, RegionError> {
+        Region::attach(path, layout(), Duration::from_millis(20), 1)
+    }
+
+    fn untrusted_reason(r: Result<Region, RegionError>) -> String {
+        match r {
+            Err(RegionError::Untrusted { reason, .. }) => reason,
+            other => panic!("expected an untrusted-file refusal, got {other:?}"),
+        }
+    }
+
+    /// A symbolic link at the region's path is refused, even to a real region.
+    #[test]
+    fn attach_refuses_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        let _owner = Region::create(&real, layout(), 1).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let reason = untrusted_reason(attach(&link));
+        assert!(reason.contains("symbolic link"), "{reason}");
+        attach(&real).unwrap();
+    }
+
+    /// A file other users may read or write is refused: another user could have planted it,
+    /// or could read the cache through it.
+    #[test]
+    fn attach_refuses_a_file_open_to_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        let _owner = Region::create(&path, layout(), 1).unwrap();
+        for mode in [0o666, 0o640, 0o602] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let reason = untrusted_reason(attach(&path));
+            assert!(reason.contains(&format!("{mode:04o}")), "{reason}");
+        }
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        attach(&path).unwrap();
+        // A planted file of the right size, world-writable, is refused the same way.
+        let planted = dir.path().join("planted");
+        let f = File::create(&planted).unwrap();
+        f.set_len(layout().total_bytes() as u64).unwrap();
+        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o666)).unwrap();
+        untrusted_reason(attach(&planted));
+    }
+
+    /// A directory (or anything but a regular file) at the path is refused.
+    #[test]
+    fn attach_refuses_what_is_not_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        std::fs::create_dir(&path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let reason = untrusted_reason(attach(&path));
+        assert!(reason.contains("not a regular file"), "{reason}");
+    }
+
+    /// Another user's file is refused (the check needs root to hand a file to another uid).
+    #[test]
+    fn attach_refuses_another_users_file() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        let _owner = Region::create(&path, layout(), 1).unwrap();
+        std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+        let reason = untrusted_reason(attach(&path));
+        assert!(reason.contains("uid 65534"), "{reason}");
+    }
+
+    /// The environment variable that makes [`child_process`] play a role.
+    const CHILD_ROLE: &str = "KVTIER_REGION_TEST_CHILD";
+    /// The environment variable naming the child's region.
+    const CHILD_PATH: &str = "KVTIER_REGION_TEST_PATH";
+    /// What the child prints once it is where the test kills it.
+    const READY: &str = "kvtier-region-child-ready";
+
+    /// Not a test: the entry point of the child processes that the tests below start (this
+    /// binary run again with [`CHILD_ROLE`] set) and kill with `SIGKILL`. Role `own` creates
+    /// a region and waits; role `creating` stops inside `create`, once the temporary file has
+    /// its full size and before it is published, and waits.
+    #[test]
+    #[ignore = "the entry point of a child process, started by the tests that kill it"]
+    fn child_process() {
+        fn ready_and_wait() -> ! {
+            use std::io::Write;
+            let mut out = io::stdout();
+            writeln!(out, "{READY}").unwrap();
+            out.flush().unwrap();
+            loop {
+                std::thread::park();
+            }
+        }
+        let (Ok(role), Some(path)) = (std::env::var(CHILD_ROLE), std::env::var_os(CHILD_PATH))
+        else {
+            return;
+        };
+        let path = PathBuf::from(path);
+        match role.as_str() {
+            "own" => {
+                let _region = Region::create(&path, layout(), 1).unwrap();
+                ready_and_wait();
+            }
+            "creating" => {
+                AFTER_RESERVE.set(Some(|_, _| ready_and_wait()));
+                let r = Region::create(&path, layout(), 1);
+                panic!("the hook did not stop the creation: {r:?}");
+            }
+            other => panic!("unknown child role {other}"),
+        }
+    }
+
+    /// A child process in a role of [`child_process`], killed (`SIGKILL`) and reaped when
+    /// dropped.
+    struct Child(std::process::Child);
+
+    impl Child {
+        /// Starts a child in `role` on the region `path` and waits until it is ready.
+        fn start(role: &str, path: &Path) -> Child {
+            use std::io::BufRead;
+            let mut child = Child(
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .args(["--exact", "region::tests::child_process", "--ignored"])
+                    .args(["--nocapture", "--test-threads=1", "-q"])
+                    .env(CHILD_ROLE, role)
+                    .env(CHILD_PATH, path)
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+            let out = child.0.stdout.take().unwrap();
+            for line in io::BufReader::new(out).lines() {
+                if line.unwrap().contains(READY) {
+                    return child;
+                }
+            }
+            panic!("the child ({role}) ended before it was ready");
+        }
+
+        fn pid(&self) -> u32 {
+            self.0.id()
+        }
+
+        /// `kill -9`, and waits until the process is gone.
+        fn kill(mut self) {
+            self.0.kill().unwrap();
+            self.0.wait().unwrap();
+        }
+    }
+
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// An owner killed with `SIGKILL` leaves its region behind; a new `create` at the same
+    /// path removes it and succeeds, and the new owner leaves nothing when dropped.
+    #[test]
+    fn a_killed_owners_region_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a");
+        Child::start("own", &path).kill();
+        assert!(path.exists(), "the killed owner left its region");
+        let region = Region::create(&path, layout(), 1).unwrap();
+        drop(region);
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+    }
+
+    /// A creator killed while its temporary file holds the whole reserved region leaves that
+    /// file behind; the next `create` in the directory removes it.
+    #[test]
+    fn a_creator_killed_while_reserving_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c");
+        let child = Child::start("creating", &path);
+        let temp = names(dir.path())
+            .into_iter()
+            .find(|n| n.contains("creating"))
+            .expect("the creator's temporary file");
+        let size = std::fs::metadata(dir.path().join(&temp)).unwrap().len();
+        assert_eq!(size, layout().total_bytes() as u64);
+        assert!(!path.exists());
+        child.kill();
+        let region = Region::create(&path, layout(), 1).unwrap();
+        assert!(
+            !names(dir.path()).iter().any(|n| n.contains("creating")),
+            "{:?}",
+            names(dir.path())
+        );
+        drop(region);
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+    }
+
+    fn sorted(mut v: Vec<PathBuf>) -> Vec<PathBuf> {
+        v.sort();
+        v
+    }
+
+    /// A live owner's region is never swept nor replaced: `create` names the owner's pid,
+    /// and others attach. Once the owner is killed, a sweep removes the region and its
+    /// record, and the path can be created again.
+    #[test]
+    fn a_live_owners_region_is_never_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b");
+        let child = Child::start("own", &path);
+        let err = Region::create(&path, layout(), 1).unwrap_err();
+        assert!(
+            matches!(err, RegionError::Exists { pid: Some(p), .. } if p == child.pid()),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(&child.pid().to_string()), "{err}");
+        assert_eq!(Region::sweep(dir.path()).unwrap(), Vec::<PathBuf>::new());
+        let attached = attach(&path).unwrap();
+        attached.write_sub(SlotId(0), 0, &[7; 16]).unwrap();
+        child.kill();
+        assert_eq!(
+            sorted(Region::sweep(dir.path()).unwrap()),
+            vec![dir.path().join(".b.kvtier-owner"), path.clone()]
+        );
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+        // The attached process keeps its mapping; only the name is gone.
+        let mut back = [0; 16];
+        attached.read_sub(SlotId(0), 0, &mut back).unwrap();
+        assert_eq!(back, [7; 16]);
+        drop(attached);
+        drop(Region::create(&path, layout(), 1).unwrap());
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+    }
+
+    /// In one directory, a sweep removes exactly the files of owners that were killed (after
+    /// creating, and while creating) and leaves live regions, this process's region and
+    /// every file that is not kvtier's alone.
+    #[test]
+    fn a_sweep_removes_dead_owners_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // (Each `create` sweeps the directory: the owners die after the last one.)
+        let mine = Region::create(&d.join("mine"), layout(), 1).unwrap();
+        let live = Child::start("own", &d.join("live"));
+        let creator = Child::start("creating", &d.join("half"));
+        let creating = d.join(format!(".half.kvtier-creating-{}", creator.pid()));
+        assert!(creating.exists());
+        Child::start("own", &d.join("dead")).kill();
+        creator.kill();
+        // Not kvtier's: a plain file, a record-like file with other text, a record-like
+        // symbolic link, and an older kind of temporary name.
+        std::fs::write(d.join("plain"), b"x").unwrap();
+        std::fs::write(d.join(".other.kvtier-owner"), b"not a record").unwrap();
+        std::fs::set_permissions(
+            d.join(".other.kvtier-owner"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(d.join("plain"), d.join(".link.kvtier-owner")).unwrap();
+        std::fs::write(d.join(".old.creating-1"), b"x").unwrap();
+        let before = names(d);
+        assert!(before.contains(&"dead".to_string()), "{before:?}");
+
+        let removed = sorted(Region::sweep(d).unwrap());
+        assert_eq!(
+            removed,
+            vec![
+                d.join(".dead.kvtier-owner"),
+                creating.clone(),
+                d.join(".half.kvtier-owner"),
+                d.join("dead"),
+            ]
+        );
+        let after: Vec<String> = before
+            .into_iter()
+            .filter(|n| !removed.contains(&d.join(n)))
+            .collect();
+        assert_eq!(names(d), after);
+        assert_eq!(
+            after,
+            [
+                ".link.kvtier-owner",
+                ".live.kvtier-owner",
+                ".mine.kvtier-owner",
+                ".old.creating-1",
+                ".other.kvtier-owner",
+                "live",
+                "mine",
+                "plain",
+            ]
+        );
+        assert_eq!(Region::sweep(d).unwrap(), Vec::<PathBuf>::new());
+
+        // A file that is not kvtier's is never replaced.
+        let err = Region::create(&d.join("plain"), layout(), 1).unwrap_err();
+        assert!(matches!(err, RegionError::Foreign { .. }), "{err:?}");
+        assert_eq!(std::fs::read(d.join("plain")).unwrap(), b"x");
+        let err = Region::create(&d.join("other"), layout(), 1).unwrap_err();
+        assert!(matches!(err, RegionError::Untrusted { .. }), "{err:?}");
+        let err = Region::create(&d.join(".x.kvtier-owner"), layout(), 1).unwrap_err();
+        assert!(err.to_string().contains("kvtier's own files"), "{err}");
+        // This process's own region is alive.
+        let err = Region::create(&d.join("mine"), layout(), 1).unwrap_err();
+        assert!(
+            matches!(err, RegionError::Exists { pid: Some(p), .. } if p == std::process::id()),
+            "{err:?}"
+        );
+        drop(mine);
+        drop(live);
+        assert_eq!(
+            sorted(Region::sweep(d).unwrap()),
+            vec![d.join(".live.kvtier-owner"), d.join("live")]
+        );
+    }
+
+    /// A killed creator's file is swept even when its owner record was removed by hand.
+    #[test]
+    fn a_creating_file_without_its_record_is_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let creator = Child::start("creating", &dir.path().join("r"));
+        let creating = dir
+            .path()
+            .join(format!(".r.kvtier-creating-{}", creator.pid()));
+        creator.kill();
+        std::fs::remove_file(dir.path().join(".r.kvtier-owner")).unwrap();
+        assert_eq!(names(dir.path()).len(), 1);
+        let removed = Region::sweep(dir.path()).unwrap();
+        assert!(removed.contains(&creating), "{removed:?}");
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+    }
+
+    /// A dead owner's files that belong to another user are not this user's to sweep (the
+    /// check needs root to hand files to another uid).
+    #[test]
+    fn a_sweep_leaves_other_users_files_alone() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("theirs");
+        Child::start("own", &path).kill();
+        let record = dir.path().join(".theirs.kvtier-owner");
+        std::os::unix::fs::chown(&record, Some(65534), None).unwrap();
+        assert_eq!(Region::sweep(dir.path()).unwrap(), Vec::<PathBuf>::new());
+        assert!(path.exists() && record.exists());
+        let err = Region::create(&path, layout(), 1).unwrap_err();
+        assert!(
+            matches!(&err, RegionError::Untrusted { reason, .. } if reason.contains("uid 65534")),
+            "{err:?}"
+        );
+        std::os::unix::fs::chown(&record, Some(0), None).unwrap();
+        assert_eq!(
+            sorted(Region::sweep(dir.path()).unwrap()),
+            vec![record, path]
+        );
     }
 }

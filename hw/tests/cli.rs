@@ -142,7 +142,7 @@ fn a_signal_at_any_point_leaves_nothing_behind() {
 }
 
 #[test]
-fn a_killed_runs_temporary_tier_is_swept_by_the_next_run() {
+fn a_killed_runs_region_and_temporary_tier_are_swept_by_the_next_run() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = kvtier(dir.path(), LONG).spawn().unwrap();
     wait_running(&mut child, dir.path());
@@ -152,6 +152,8 @@ fn a_killed_runs_temporary_tier_is_swept_by_the_next_run() {
     let left = entries(&dir.path().join("tmp"));
     assert_eq!(left.len(), 1, "{left:?}");
     assert!(left[0].starts_with(TEMP_TIER_PREFIX), "{left:?}");
+    let regions = entries(&dir.path().join("shm"));
+    assert!(!regions.is_empty(), "the killed run left its region");
     let out = kvtier(
         dir.path(),
         &[
@@ -173,7 +175,12 @@ fn a_killed_runs_temporary_tier_is_swept_by_the_next_run() {
         stderr.contains("removed the temporary tier of a run that died"),
         "{stderr}"
     );
+    assert!(
+        stderr.contains("removed the region of a run that died"),
+        "{stderr}"
+    );
     assert_eq!(entries(&dir.path().join("tmp")), Vec::<String>::new());
+    assert_eq!(entries(&dir.path().join("shm")), Vec::<String>::new());
 }
 
 fn fails_with(dir: &Path, args: &[&str], message: &str) {

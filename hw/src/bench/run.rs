@@ -235,6 +235,15 @@ pub fn run(
     for path in sweep_temporary_tiers(&std::env::temp_dir()) {
         tracing::warn!(path = %path.display(), "removed the temporary tier of a run that died");
     }
+    match Region::sweep(&settings.region_dir) {
+        Ok(removed) => {
+            for path in removed {
+                tracing::warn!(path = %path.display(), "removed the region of a run that died");
+            }
+        }
+        // Creating the region sweeps again and reports what stops it.
+        Err(e) => tracing::warn!(error = %e, "regions of dead runs not swept"),
+    }
     let region_path = settings
         .region_dir
         .join(format!("kvtier-bench-{}", std::process::id()));
