@@ -3,22 +3,39 @@
 //! transfer ends with an event, and completion is learnt by polling the events.
 //!
 //! The CUDA driver library is loaded at run time: this builds without a CUDA toolkit, and
-//! [`CudaEngine::new`] answers a clear error on a machine without a GPU driver.
+//! [`CudaEngine::new`] answers a clear error on a machine without a GPU driver. Every driver
+//! call goes through a small internal trait, so that the tests can run the engine on a fake
+//! driver that fails any chosen call.
+
+mod api;
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 
 use crate::engine::{
     Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
 };
 use crate::region::Region;
+use api::Api;
 
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library by its usual names; it calls nothing in it.
+    unsafe { sys::is_culib_present() }
+}
+
+/// A driver error as an engine error. The error's name is enough to say what happened, and
+/// naming it needs no call into the driver.
 fn gpu(what: &str, e: DriverError) -> EngineError {
-    EngineError::Gpu(format!("{what}: {e:?}"))
+    EngineError::Gpu(format!("{what}: {:?}", e.0))
 }
 
 struct InFlight {
@@ -30,6 +47,7 @@ struct InFlight {
 
 /// Copies between GPU memory and one worker's sub-slots of the region with CUDA.
 pub struct CudaEngine {
+    api: Arc<dyn Api>,
     region: Arc<Region>,
     worker: u16,
     device_base: sys::CUdeviceptr,
@@ -55,12 +73,6 @@ impl std::fmt::Debug for CudaEngine {
     }
 }
 
-/// Whether the CUDA driver library can be loaded on this machine.
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to open the library by its usual names; it calls nothing in it.
-    unsafe { sys::is_culib_present() }
-}
-
 impl CudaEngine {
     /// An engine for GPU `ordinal`, copying between the device memory
     /// `device_base..device_base + device_bytes` (the engine's KV cache, allocated by the
@@ -73,45 +85,48 @@ impl CudaEngine {
         device_base: u64,
         device_bytes: usize,
     ) -> Result<Self, EngineError> {
-        // cudarc panics when the driver library is absent: ask first.
-        if !driver_present() {
-            return Err(EngineError::Gpu(
-                "the CUDA driver library (libcuda.so) was not found: this machine has no NVIDIA driver; use the host engine".into(),
-            ));
-        }
-        result::init().map_err(|e| gpu("cuInit", e))?;
-        let dev = result::device::get(ordinal).map_err(|e| gpu("cuDeviceGet", e))?;
+        let api = Arc::new(api::Real::load()?);
+        Self::with_api(api, region, worker, ordinal, device_base, device_bytes)
+    }
+
+    fn with_api(
+        api: Arc<dyn Api>,
+        region: Arc<Region>,
+        worker: u16,
+        ordinal: i32,
+        device_base: u64,
+        device_bytes: usize,
+    ) -> Result<Self, EngineError> {
+        api.init().map_err(|e| gpu("cuInit", e))?;
+        let dev = api.device(ordinal).map_err(|e| gpu("cuDeviceGet", e))?;
         // SAFETY: `dev` was just returned by the driver.
-        let ctx = unsafe { result::primary_ctx::retain(dev) }
+        let ctx = unsafe { api.retain_primary(dev) }
             .map_err(|e| gpu("cuDevicePrimaryCtxRetain", e))?;
         // SAFETY: `ctx` is the live primary context retained above.
-        unsafe { result::ctx::set_current(ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))?;
+        unsafe { api.set_current(ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))?;
         let (ptr, len) = region.raw_parts();
         // SAFETY: `ptr..ptr + len` is the region's live mapping, kept alive by the `Arc` this
         // engine holds until `drop` unregisters it.
-        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
-            .result()
+        unsafe { api.register(ptr, len) }
             .map_err(|e| gpu("cuMemHostRegister (pinning the region)", e))?;
-        let stream = || {
-            result::stream::create(result::stream::StreamKind::NonBlocking)
-                .map_err(|e| gpu("cuStreamCreate", e))
-        };
+        let stream = || api.stream_create().map_err(|e| gpu("cuStreamCreate", e));
         Ok(CudaEngine {
+            to_device: stream()?,
+            to_region: stream()?,
+            api,
             region,
             worker,
             device_base,
             device_bytes,
             dev,
             ctx,
-            to_device: stream()?,
-            to_region: stream()?,
             in_flight: VecDeque::new(),
         })
     }
 
     fn make_current(&self) -> Result<(), EngineError> {
         // SAFETY: `self.ctx` is retained until `drop`.
-        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))
+        unsafe { self.api.set_current(self.ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))
     }
 }
 
@@ -150,20 +165,20 @@ impl TransferEngine for CudaEngine {
             let dptr = self.device_base + c.device_offset as u64;
             let r = match job.direction {
                 // SAFETY: as above.
-                Direction::ToRegion => unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(host.cast(), dptr, len, stream)
-                },
+                Direction::ToRegion => unsafe { self.api.copy_to_host(host, dptr, len, stream) },
                 // SAFETY: as above.
                 Direction::ToDevice => unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(dptr, host.cast(), len, stream)
+                    self.api.copy_to_device(dptr, host, len, stream)
                 },
             };
-            r.result().map_err(|e| gpu("cuMemcpyAsync", e))?;
+            r.map_err(|e| gpu("cuMemcpyAsync", e))?;
         }
-        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        let event = self
+            .api
+            .event_create()
             .map_err(|e| gpu("cuEventCreate", e))?;
         // SAFETY: `event` and `stream` are live handles of the current context.
-        unsafe { result::event::record(event, stream) }.map_err(|e| gpu("cuEventRecord", e))?;
+        unsafe { self.api.event_record(event, stream) }.map_err(|e| gpu("cuEventRecord", e))?;
         self.in_flight.push_back(InFlight {
             id: job.id,
             event,
@@ -181,18 +196,17 @@ impl TransferEngine for CudaEngine {
         while i < self.in_flight.len() {
             let t = &self.in_flight[i];
             // SAFETY: `t.event` is live until destroyed below.
-            let state = unsafe { result::event::query(t.event) };
-            let result = match state {
-                Err(DriverError(sys::cudaError_enum::CUDA_ERROR_NOT_READY)) => {
+            let result = match unsafe { self.api.event_query(t.event) } {
+                Ok(false) => {
                     i += 1;
                     continue;
                 }
-                Ok(()) => Ok(()),
+                Ok(true) => Ok(()),
                 Err(e) => Err(gpu("transfer", e)),
             };
             let t = self.in_flight.remove(i).expect("index checked");
             // SAFETY: the event has completed (or failed) and is not used again.
-            let _ = unsafe { result::event::destroy(t.event) };
+            let _ = unsafe { self.api.event_destroy(t.event) };
             let _ = done.push(Completion::Transfer {
                 id: t.id,
                 bytes: if result.is_ok() { t.bytes } else { 0 },
@@ -214,15 +228,15 @@ impl Drop for CudaEngine {
         // SAFETY: the streams, events and registration are this engine's own live handles;
         // synchronizing first means no copy still uses the region when it is unregistered.
         unsafe {
-            let _ = result::stream::synchronize(self.to_device);
-            let _ = result::stream::synchronize(self.to_region);
+            let _ = self.api.stream_synchronize(self.to_device);
+            let _ = self.api.stream_synchronize(self.to_region);
             for t in self.in_flight.drain(..) {
-                let _ = result::event::destroy(t.event);
+                let _ = self.api.event_destroy(t.event);
             }
-            let _ = result::stream::destroy(self.to_device);
-            let _ = result::stream::destroy(self.to_region);
-            let _ = sys::cuMemHostUnregister(self.region.raw_parts().0.cast());
-            let _ = result::primary_ctx::release(self.dev);
+            let _ = self.api.stream_destroy(self.to_device);
+            let _ = self.api.stream_destroy(self.to_region);
+            let _ = self.api.unregister(self.region.raw_parts().0);
+            let _ = self.api.release_primary(self.dev);
         }
     }
 }

@@ -1,0 +1,119 @@
+//! The engine on the fake driver: what it queues, when it reports, and what it gives back.
+
+use std::sync::Arc;
+
+use kvtier_core::SlotId;
+
+use super::CudaEngine;
+use super::fake::{Call, DEVICE_BASE, Fake};
+use crate::engine::{
+    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine,
+    TransferId,
+};
+use crate::queue::Queue;
+use crate::region::{Layout, Region};
+
+const BLOCK: usize = 4096;
+
+struct Rig {
+    _dir: tempfile::TempDir,
+    region: Arc<Region>,
+    fake: Arc<Fake>,
+    done: Completions,
+}
+
+/// A region of `rows` rows for `workers` workers, and a fake GPU with `device_blocks` blocks.
+fn rig(rows: u32, workers: u16, device_blocks: usize) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = Layout::new(rows, workers, BLOCK).unwrap();
+    let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
+    Rig {
+        _dir: dir,
+        region,
+        fake: Arc::new(Fake::new(device_blocks * BLOCK)),
+        done: Arc::new(Queue::new()),
+    }
+}
+
+impl Rig {
+    fn engine(&self, worker: u16) -> Result<CudaEngine, EngineError> {
+        CudaEngine::with_api(
+            self.fake.clone(),
+            self.region.clone(),
+            worker,
+            0,
+            DEVICE_BASE,
+            self.device_bytes(),
+        )
+    }
+
+    fn device_bytes(&self) -> usize {
+        self.fake.device_len()
+    }
+
+    /// Polls until nothing is in flight (failing the test if that never comes), and returns
+    /// the completions in the order they came.
+    fn settle(&self, engine: &mut CudaEngine) -> Vec<(TransferId, Result<(), EngineError>)> {
+        let mut polls = 0;
+        while engine.poll(&self.done) {
+            polls += 1;
+            assert!(polls < 1000, "poll keeps answering that transfers are in flight");
+        }
+        let mut ends = Vec::new();
+        self.done.drain_into(&mut ends);
+        ends.into_iter()
+            .map(|c| match c {
+                Completion::Transfer { id, result, .. } => (id, result),
+                Completion::Tier(_) => unreachable!("no tier here"),
+            })
+            .collect()
+    }
+
+    fn sub_slot(&self, slot: u32, worker: u16) -> Vec<u8> {
+        let mut out = vec![0; BLOCK];
+        self.region
+            .read_sub(SlotId(slot), worker, &mut out)
+            .unwrap();
+        out
+    }
+}
+
+fn job(id: u64, direction: Direction, copies: &[(u32, usize)]) -> CopyJob {
+    CopyJob {
+        id: TransferId(id),
+        direction,
+        copies: copies
+            .iter()
+            .map(|&(slot, device_offset)| BlockCopy {
+                slot: SlotId(slot),
+                device_offset,
+            })
+            .collect(),
+    }
+}
+
+fn pattern(seed: u8) -> Vec<u8> {
+    (0..BLOCK).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
+}
+
+/// A block goes device → region slot 1 → device at another offset, byte for byte.
+#[test]
+fn copies_go_to_the_region_and_back() {
+    let r = rig(4, 1, 2);
+    r.fake.device_write(0, &pattern(1));
+    let mut engine = r.engine(0).unwrap();
+    engine
+        .submit(job(0, Direction::ToRegion, &[(1, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert_eq!(r.sub_slot(1, 0), pattern(1));
+    engine
+        .submit(job(1, Direction::ToDevice, &[(1, BLOCK)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(1), Ok(()))]), "{ends:?}");
+    assert_eq!(r.fake.device_read(BLOCK, BLOCK), pattern(1));
+    assert_eq!(r.fake.calls(Call::CopyToHost), 1);
+    assert_eq!(r.fake.calls(Call::CopyToDevice), 1);
+}
