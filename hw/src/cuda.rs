@@ -21,9 +21,9 @@ use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 
 use crate::engine::{
-    Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
+    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
 };
-use crate::region::Region;
+use crate::region::{Region, RegionError};
 use api::Api;
 
 /// Whether the CUDA driver library can be loaded on this machine.
@@ -36,6 +36,82 @@ pub fn driver_present() -> bool {
 /// naming it needs no call into the driver.
 fn gpu(what: &str, e: DriverError) -> EngineError {
     EngineError::Gpu(format!("{what}: {:?}", e.0))
+}
+
+/// The checks of [`CudaEngine::new`] that need no driver.
+fn check_arguments(
+    region: &Region,
+    worker: u16,
+    device_base: u64,
+    device_bytes: usize,
+) -> Result<(), EngineError> {
+    let workers = region.layout().workers;
+    if worker >= workers {
+        return Err(EngineError::NoSuchWorker { worker, workers });
+    }
+    let refuse = |reason: &str| EngineError::DeviceMemory {
+        base: device_base,
+        bytes: device_bytes,
+        reason: reason.into(),
+    };
+    if device_bytes == 0 {
+        return Err(refuse(
+            "an engine needs device memory, and this range has no bytes",
+        ));
+    }
+    if device_base.checked_add(device_bytes as u64).is_none() {
+        return Err(refuse("the range runs past the end of the address space"));
+    }
+    Ok(())
+}
+
+/// Checks with the driver that `base..base + bytes` is device memory of GPU `ordinal`: every
+/// byte in one of its allocations, none of them host or managed memory.
+fn check_device_memory(
+    api: &dyn Api,
+    ordinal: i32,
+    base: u64,
+    bytes: usize,
+) -> Result<(), EngineError> {
+    let refuse = |reason: String| EngineError::DeviceMemory {
+        base,
+        bytes,
+        reason,
+    };
+    let end = base + bytes as u64; // checked by `check_arguments`
+    let mut at = base;
+    while at < end {
+        let a = api.pointer(at).map_err(|e| {
+            refuse(format!(
+                "address {at:#x} is not in any allocation of the CUDA driver ({:?})",
+                e.0
+            ))
+        })?;
+        if !a.device_memory {
+            return Err(refuse(format!(
+                "address {at:#x} is not device memory (host memory the driver knows of)"
+            )));
+        }
+        if a.managed {
+            return Err(refuse(format!(
+                "address {at:#x} is managed memory, which the CPU reaches too; give the engine device memory"
+            )));
+        }
+        if a.ordinal != ordinal {
+            return Err(refuse(format!(
+                "address {at:#x} is memory of GPU {}, not of GPU {ordinal}",
+                a.ordinal
+            )));
+        }
+        let next = a.base.saturating_add(a.bytes as u64);
+        if next <= at {
+            return Err(refuse(format!(
+                "the driver describes address {at:#x} as an allocation that ends before it"
+            )));
+        }
+        at = next;
+    }
+    Ok(())
 }
 
 struct InFlight {
@@ -78,18 +154,37 @@ impl CudaEngine {
     /// `device_base..device_base + device_bytes` (the engine's KV cache, allocated by the
     /// inference engine) and `worker`'s sub-slots of `region`, which it registers as pinned
     /// host memory.
-    pub fn new(
+    ///
+    /// What can be checked is: `worker` must be one of the region's workers, and the device
+    /// range must be device memory of GPU `ordinal` that the driver has allocated (not host
+    /// or managed memory), with no gap, or the answer is a typed error
+    /// ([`EngineError::NoSuchWorker`], [`EngineError::DeviceMemory`]).
+    ///
+    /// # Safety
+    ///
+    /// The driver can only say what the device range is now. The caller guarantees that it
+    /// stays allocated, as device memory of GPU `ordinal`, until the engine is dropped, and
+    /// that the engine's copies may read and write it: stores read the blocks they name,
+    /// loads overwrite them (ordered after the compute stream's work, see
+    /// [`set_compute_stream`](Self::set_compute_stream)).
+    pub unsafe fn new(
         region: Arc<Region>,
         worker: u16,
         ordinal: i32,
         device_base: u64,
         device_bytes: usize,
     ) -> Result<Self, EngineError> {
+        check_arguments(&region, worker, device_base, device_bytes)?;
         let api = Arc::new(api::Real::load()?);
-        Self::with_api(api, region, worker, ordinal, device_base, device_bytes)
+        // SAFETY: the caller's contract.
+        unsafe { Self::with_api(api, region, worker, ordinal, device_base, device_bytes) }
     }
 
-    fn with_api(
+    /// [`new`](Self::new) on the driver `api`.
+    ///
+    /// # Safety
+    /// As for [`new`](Self::new).
+    unsafe fn with_api(
         api: Arc<dyn Api>,
         region: Arc<Region>,
         worker: u16,
@@ -97,13 +192,15 @@ impl CudaEngine {
         device_base: u64,
         device_bytes: usize,
     ) -> Result<Self, EngineError> {
+        check_arguments(&region, worker, device_base, device_bytes)?;
         api.init().map_err(|e| gpu("cuInit", e))?;
         let dev = api.device(ordinal).map_err(|e| gpu("cuDeviceGet", e))?;
         // SAFETY: `dev` was just returned by the driver.
-        let ctx = unsafe { api.retain_primary(dev) }
-            .map_err(|e| gpu("cuDevicePrimaryCtxRetain", e))?;
+        let ctx =
+            unsafe { api.retain_primary(dev) }.map_err(|e| gpu("cuDevicePrimaryCtxRetain", e))?;
         // SAFETY: `ctx` is the live primary context retained above.
         unsafe { api.set_current(ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))?;
+        check_device_memory(&*api, ordinal, device_base, device_bytes)?;
         let (ptr, len) = region.raw_parts();
         // SAFETY: `ptr..ptr + len` is the region's live mapping, kept alive by the `Arc` this
         // engine holds until `drop` unregisters it.
@@ -124,6 +221,39 @@ impl CudaEngine {
         })
     }
 
+    /// Where `copy` reads and writes: the offset of its sub-slot in the region and its device
+    /// address, each checked to lie inside its memory (with no overflow on the way).
+    fn locate(&self, copy: &BlockCopy) -> Result<(usize, sys::CUdeviceptr), EngineError> {
+        let layout = self.region.layout();
+        let len = layout.block_bytes_per_worker;
+        let region_len = self.region.raw_parts().1;
+        let host = (copy.slot.index() < layout.rows as usize)
+            .then(|| copy.slot.index().checked_mul(layout.row_bytes()))
+            .flatten()
+            .and_then(|row| row.checked_add(self.worker as usize * layout.sub_slot_bytes()))
+            .filter(|h| h.checked_add(len).is_some_and(|end| end <= region_len))
+            .ok_or_else(|| {
+                EngineError::Memory(RegionError::OutOfRange {
+                    offset: (copy.slot.index() as u64).saturating_mul(layout.row_bytes() as u64),
+                    len: len as u64,
+                    size: region_len as u64,
+                })
+            })?;
+        if !copy
+            .device_offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.device_bytes)
+        {
+            return Err(EngineError::Memory(RegionError::OutOfRange {
+                offset: copy.device_offset as u64,
+                len: len as u64,
+                size: self.device_bytes as u64,
+            }));
+        }
+        // `device_base + device_bytes` was checked not to overflow in `new`.
+        Ok((host, self.device_base + copy.device_offset as u64))
+    }
+
     fn make_current(&self) -> Result<(), EngineError> {
         // SAFETY: `self.ctx` is retained until `drop`.
         unsafe { self.api.set_current(self.ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))
@@ -137,39 +267,28 @@ impl TransferEngine for CudaEngine {
 
     fn submit(&mut self, job: CopyJob, _done: &Completions) -> Result<(), EngineError> {
         self.make_current()?;
-        let layout = self.region.layout();
-        let len = layout.block_bytes_per_worker;
-        let (base, region_len) = self.region.raw_parts();
-        for c in &job.copies {
-            let host = layout.offset(c.slot, self.worker);
-            if host + len > region_len || c.device_offset + len > self.device_bytes {
-                return Err(EngineError::Memory(
-                    crate::region::RegionError::OutOfRange {
-                        offset: c.device_offset as u64,
-                        len: len as u64,
-                        size: self.device_bytes as u64,
-                    },
-                ));
-            }
-        }
+        let len = self.region.layout().block_bytes_per_worker;
+        let copies = job
+            .copies
+            .iter()
+            .map(|c| self.locate(c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let base = self.region.raw_parts().0;
         let stream = match job.direction {
             Direction::ToRegion => self.to_region,
             Direction::ToDevice => self.to_device,
         };
-        for c in &job.copies {
+        for &(host, dptr) in &copies {
             // SAFETY: both ranges were checked above to lie inside the registered region and
             // the engine's device memory. The slot is owned by this transfer until its event
             // completes (Pending for a store, load-pinned for a load: I3, I6), so no one else
             // touches the host bytes while the DMA runs.
-            let host = unsafe { base.add(layout.offset(c.slot, self.worker)) };
-            let dptr = self.device_base + c.device_offset as u64;
+            let host = unsafe { base.add(host) };
             let r = match job.direction {
                 // SAFETY: as above.
                 Direction::ToRegion => unsafe { self.api.copy_to_host(host, dptr, len, stream) },
                 // SAFETY: as above.
-                Direction::ToDevice => unsafe {
-                    self.api.copy_to_device(dptr, host, len, stream)
-                },
+                Direction::ToDevice => unsafe { self.api.copy_to_device(dptr, host, len, stream) },
             };
             r.map_err(|e| gpu("cuMemcpyAsync", e))?;
         }

@@ -57,6 +57,24 @@ pub enum EngineError {
     /// The GPU driver reported an error, or is absent.
     #[error("GPU: {0}")]
     Gpu(String),
+    /// The engine was asked to serve a worker the region has no sub-slots for.
+    #[error("worker {worker} does not exist: the region has {workers} workers")]
+    NoSuchWorker {
+        /// The worker asked for.
+        worker: u16,
+        /// Workers of the region (valid workers are `0..workers`).
+        workers: u16,
+    },
+    /// The device memory given to a GPU engine is not memory it may copy to and from.
+    #[error("device memory {base:#x}+{bytes}: {reason}")]
+    DeviceMemory {
+        /// Its first address.
+        base: u64,
+        /// Its length.
+        bytes: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// The end of one piece of IO, pushed by IO threads (or engine polling) to the driver.

@@ -34,6 +34,16 @@ pub(super) trait Api: Send + Sync {
     /// # Safety
     /// `ctx` is a live context.
     unsafe fn set_current(&self, ctx: sys::CUcontext) -> Answer<()>;
+    /// `cuCtxPushCurrent`: makes `ctx` current on this thread, above the caller's.
+    ///
+    /// # Safety
+    /// `ctx` is a live context.
+    unsafe fn push(&self, ctx: sys::CUcontext) -> Answer<()>;
+    /// `cuCtxPopCurrent`: restores the context that was current before the last push.
+    fn pop(&self) -> Answer<()>;
+    /// What the driver knows of the device address `dptr` (`cuMemGetAddressRange` and
+    /// `cuPointerGetAttribute`): the allocation holding it, its kind and its device.
+    fn pointer(&self, dptr: sys::CUdeviceptr) -> Answer<Allocation>;
     /// `cuMemHostRegister` (portable: usable from every context).
     ///
     /// # Safety
@@ -56,6 +66,12 @@ pub(super) trait Api: Send + Sync {
     /// # Safety
     /// `stream` is live.
     unsafe fn stream_synchronize(&self, stream: sys::CUstream) -> Answer<()>;
+    /// `cuStreamWaitEvent`: work queued on `stream` from now on waits for the work `event`
+    /// captured when it was last recorded.
+    ///
+    /// # Safety
+    /// `stream` and `event` are live.
+    unsafe fn stream_wait(&self, stream: sys::CUstream, event: sys::CUevent) -> Answer<()>;
     /// `cuEventCreate` (without timing).
     fn event_create(&self) -> Answer<sys::CUevent>;
     /// `cuEventRecord`.
@@ -98,6 +114,31 @@ pub(super) trait Api: Send + Sync {
     ) -> Answer<()>;
 }
 
+/// A device allocation, as the driver describes the address it was asked about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Allocation {
+    /// Its first address.
+    pub(super) base: sys::CUdeviceptr,
+    /// Its length in bytes.
+    pub(super) bytes: usize,
+    /// Whether it is device memory (not host memory the driver knows of).
+    pub(super) device_memory: bool,
+    /// Whether it is managed memory (also reachable from the CPU).
+    pub(super) managed: bool,
+    /// The GPU it lives on.
+    pub(super) ordinal: i32,
+}
+
+/// One `cuPointerGetAttribute` answer, read as an integer. Each attribute asked here is
+/// written as an integer of at most 8 bytes; the buffer is zeroed first, so a narrower
+/// answer reads as its own value.
+fn attribute(attr: sys::CUpointer_attribute, dptr: sys::CUdeviceptr) -> Answer<u64> {
+    let mut data = 0u64;
+    // SAFETY: `data` is 8 writable bytes, more than any of the attributes asked writes.
+    unsafe { sys::cuPointerGetAttribute((&raw mut data).cast(), attr, dptr) }.result()?;
+    Ok(data)
+}
+
 /// The CUDA driver itself.
 pub(super) struct Real;
 
@@ -138,6 +179,35 @@ impl Api for Real {
         unsafe { result::ctx::set_current(ctx) }
     }
 
+    unsafe fn push(&self, ctx: sys::CUcontext) -> Answer<()> {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuCtxPushCurrent_v2(ctx) }.result()
+    }
+
+    fn pop(&self) -> Answer<()> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a writable out-parameter; popping touches no other memory.
+        unsafe { sys::cuCtxPopCurrent_v2(&raw mut ctx) }.result()
+    }
+
+    fn pointer(&self, dptr: sys::CUdeviceptr) -> Answer<Allocation> {
+        let mut base: sys::CUdeviceptr = 0;
+        let mut bytes = 0usize;
+        // SAFETY: both out-parameters are writable; the call only reads the driver's tables.
+        unsafe { sys::cuMemGetAddressRange_v2(&raw mut base, &raw mut bytes, dptr) }.result()?;
+        use sys::CUpointer_attribute as A;
+        let kind = attribute(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, dptr)?;
+        let managed = attribute(A::CU_POINTER_ATTRIBUTE_IS_MANAGED, dptr)?;
+        let ordinal = attribute(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, dptr)?;
+        Ok(Allocation {
+            base,
+            bytes,
+            device_memory: kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64,
+            managed: managed != 0,
+            ordinal: ordinal as u32 as i32,
+        })
+    }
+
     unsafe fn register(&self, ptr: *mut u8, len: usize) -> Answer<()> {
         // SAFETY: the caller's contract.
         unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
@@ -161,6 +231,17 @@ impl Api for Real {
     unsafe fn stream_synchronize(&self, stream: sys::CUstream) -> Answer<()> {
         // SAFETY: the caller's contract.
         unsafe { result::stream::synchronize(stream) }
+    }
+
+    unsafe fn stream_wait(&self, stream: sys::CUstream, event: sys::CUevent) -> Answer<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            result::stream::wait_event(
+                stream,
+                event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
     }
 
     fn event_create(&self) -> Answer<sys::CUevent> {

@@ -14,7 +14,7 @@ use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 use sys::cudaError_enum as E;
 
-use super::api::{Answer, Api};
+use super::api::{Allocation, Answer, Api};
 
 /// The context that is current on the test's thread before the engine is created.
 pub(super) const CALLER_CTX: usize = 0xCA11;
@@ -31,11 +31,15 @@ pub(super) enum Call {
     Retain,
     Release,
     SetCurrent,
+    Push,
+    Pop,
+    Pointer,
     Register,
     Unregister,
     StreamCreate,
     StreamDestroy,
     StreamSync,
+    StreamWait,
     EventCreate,
     EventRecord,
     EventQuery,
@@ -55,6 +59,8 @@ enum Op {
     },
     /// A kernel of the inference engine writing device memory.
     Kernel { dev: u64, bytes: Vec<u8> },
+    /// Waits until `upto` operations of `stream` have run.
+    Wait { stream: usize, upto: u64 },
 }
 
 #[derive(Default)]
@@ -80,6 +86,10 @@ struct State {
     next_handle: usize,
     /// Whether event queries leave the queued work alone (a busy GPU).
     hold: bool,
+    /// What the fake says of its allocation: (device memory, managed).
+    kind: (bool, bool),
+    /// Fail the next event record on one of the engine's streams with this error.
+    fail_engine_record: Option<sys::CUresult>,
 }
 
 /// The fake driver.
@@ -112,6 +122,8 @@ impl Fake {
                 events: BTreeMap::new(),
                 next_handle: 0x1000,
                 hold: false,
+                kind: (true, false),
+                fail_engine_record: None,
             }),
         }
     }
@@ -128,6 +140,16 @@ impl Fake {
     /// Makes the `n`th call of `call` and every later one fail with `code`.
     pub(super) fn fail_from(&self, call: Call, n: u32, code: sys::CUresult) {
         self.state().faults.push((call, n, u32::MAX, code));
+    }
+
+    /// Makes the next event record on one of the engine's own streams fail with `code`.
+    pub(super) fn fail_next_engine_record(&self, code: sys::CUresult) {
+        self.state().fail_engine_record = Some(code);
+    }
+
+    /// Says that the allocation is host memory (`device_memory` false) or managed memory.
+    pub(super) fn set_kind(&self, device_memory: bool, managed: bool) {
+        self.state().kind = (device_memory, managed);
     }
 
     /// How many times `call` was made.
@@ -211,7 +233,10 @@ impl Fake {
     /// Queues a kernel on `stream` that writes `bytes` at device offset `offset`.
     pub(super) fn launch(&self, stream: sys::CUstream, offset: usize, bytes: &[u8]) {
         let mut s = self.state();
-        let st = s.streams.get_mut(&(stream as usize)).expect("a live stream");
+        let st = s
+            .streams
+            .get_mut(&(stream as usize))
+            .expect("a live stream");
         st.ops.push_back(Op::Kernel {
             dev: DEVICE_BASE + offset as u64,
             bytes: bytes.to_vec(),
@@ -300,13 +325,14 @@ impl State {
                 let off = (dev - DEVICE_BASE) as usize;
                 self.device[off..off + bytes.len()].copy_from_slice(&bytes);
             }
+            Op::Wait { stream, upto } => self.run(stream, upto),
         }
     }
 
     fn queue_copy(&mut self, stream: sys::CUstream, op: Op) -> Answer<()> {
         let (dev, len) = match &op {
             Op::Copy { dev, len, .. } => (*dev, *len),
-            Op::Kernel { .. } => unreachable!("only copies are queued by the engine"),
+            _ => unreachable!("only copies are queued this way"),
         };
         let end = DEVICE_BASE + self.device.len() as u64;
         if dev < DEVICE_BASE || dev + len as u64 > end {
@@ -355,12 +381,43 @@ impl Api for Fake {
         Ok(())
     }
 
+    unsafe fn push(&self, ctx: sys::CUcontext) -> Answer<()> {
+        let mut s = self.state();
+        s.enter(Call::Push)?;
+        s.ctx_stack.push(ctx as usize);
+        Ok(())
+    }
+
+    fn pop(&self) -> Answer<()> {
+        let mut s = self.state();
+        s.enter(Call::Pop)?;
+        s.ctx_stack
+            .pop()
+            .map(|_| ())
+            .ok_or(err(E::CUDA_ERROR_INVALID_CONTEXT))
+    }
+
+    fn pointer(&self, dptr: sys::CUdeviceptr) -> Answer<Allocation> {
+        let mut s = self.state();
+        s.enter(Call::Pointer)?;
+        let bytes = s.device.len();
+        if dptr < DEVICE_BASE || dptr >= DEVICE_BASE + bytes as u64 {
+            return Err(err(E::CUDA_ERROR_INVALID_VALUE));
+        }
+        Ok(Allocation {
+            base: DEVICE_BASE,
+            bytes,
+            device_memory: s.kind.0,
+            managed: s.kind.1,
+            ordinal: 0,
+        })
+    }
+
     unsafe fn register(&self, ptr: *mut u8, len: usize) -> Answer<()> {
         let mut s = self.state();
         s.enter_in_ctx(Call::Register)?;
         let start = ptr as usize;
-        if s
-            .registered
+        if s.registered
             .iter()
             .any(|(&a, &l)| a < start + len && start < a + l)
         {
@@ -412,6 +469,20 @@ impl Api for Fake {
         Ok(())
     }
 
+    unsafe fn stream_wait(&self, stream: sys::CUstream, event: sys::CUevent) -> Answer<()> {
+        let mut s = self.state();
+        s.enter_in_ctx(Call::StreamWait)?;
+        let Some(&at) = s.events.get(&(event as usize)) else {
+            return Err(err(E::CUDA_ERROR_INVALID_HANDLE));
+        };
+        let st = s.stream(stream)?;
+        if let Some((on, upto)) = at {
+            st.ops.push_back(Op::Wait { stream: on, upto });
+            st.queued += 1;
+        }
+        Ok(())
+    }
+
     fn event_create(&self) -> Answer<sys::CUevent> {
         let mut s = self.state();
         s.enter_in_ctx(Call::EventCreate)?;
@@ -423,7 +494,13 @@ impl Api for Fake {
     unsafe fn event_record(&self, event: sys::CUevent, stream: sys::CUstream) -> Answer<()> {
         let mut s = self.state();
         s.enter_in_ctx(Call::EventRecord)?;
-        let queued = s.stream(stream)?.queued;
+        let st = s.stream(stream)?;
+        let (queued, engine) = (st.queued, st.engine);
+        if engine {
+            if let Some(code) = s.fail_engine_record.take() {
+                return Err(err(code));
+            }
+        }
         let e = s
             .events
             .get_mut(&(event as usize))

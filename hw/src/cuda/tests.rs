@@ -7,11 +7,10 @@ use kvtier_core::SlotId;
 use super::CudaEngine;
 use super::fake::{Call, DEVICE_BASE, Fake};
 use crate::engine::{
-    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine,
-    TransferId,
+    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
 };
 use crate::queue::Queue;
-use crate::region::{Layout, Region};
+use crate::region::{Layout, Region, RegionError};
 
 const BLOCK: usize = 4096;
 
@@ -37,14 +36,17 @@ fn rig(rows: u32, workers: u16, device_blocks: usize) -> Rig {
 
 impl Rig {
     fn engine(&self, worker: u16) -> Result<CudaEngine, EngineError> {
-        CudaEngine::with_api(
-            self.fake.clone(),
-            self.region.clone(),
-            worker,
-            0,
-            DEVICE_BASE,
-            self.device_bytes(),
-        )
+        // SAFETY: the fake driver's memory, which lives as long as the fake.
+        unsafe {
+            CudaEngine::with_api(
+                self.fake.clone(),
+                self.region.clone(),
+                worker,
+                0,
+                DEVICE_BASE,
+                self.device_bytes(),
+            )
+        }
     }
 
     fn device_bytes(&self) -> usize {
@@ -57,7 +59,10 @@ impl Rig {
         let mut polls = 0;
         while engine.poll(&self.done) {
             polls += 1;
-            assert!(polls < 1000, "poll keeps answering that transfers are in flight");
+            assert!(
+                polls < 1000,
+                "poll keeps answering that transfers are in flight"
+            );
         }
         let mut ends = Vec::new();
         self.done.drain_into(&mut ends);
@@ -93,7 +98,9 @@ fn job(id: u64, direction: Direction, copies: &[(u32, usize)]) -> CopyJob {
 }
 
 fn pattern(seed: u8) -> Vec<u8> {
-    (0..BLOCK).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
+    (0..BLOCK)
+        .map(|i| (i as u8).wrapping_mul(7) ^ seed)
+        .collect()
 }
 
 /// A block goes device → region slot 1 → device at another offset, byte for byte.
@@ -116,4 +123,84 @@ fn copies_go_to_the_region_and_back() {
     assert_eq!(r.fake.device_read(BLOCK, BLOCK), pattern(1));
     assert_eq!(r.fake.calls(Call::CopyToHost), 1);
     assert_eq!(r.fake.calls(Call::CopyToDevice), 1);
+}
+
+/// The region has workers 0 and 1: an engine for worker 2 is refused with a clear error.
+#[test]
+fn a_worker_the_region_lacks_is_refused() {
+    let r = rig(4, 2, 2);
+    let err = r.engine(2).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::NoSuchWorker {
+                worker: 2,
+                workers: 2
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("the region has 2 workers"),
+        "{err}"
+    );
+}
+
+/// Copies naming memory outside the region or the device are refused before anything is
+/// queued, even where the offsets would overflow.
+#[test]
+fn copies_outside_memory_are_refused_without_overflow() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    for (direction, slot, offset) in [
+        (Direction::ToRegion, 0, usize::MAX - 100),
+        (Direction::ToDevice, 0, 2 * BLOCK - 1),
+        (Direction::ToRegion, 4, 0),
+        (Direction::ToDevice, u32::MAX, 0),
+    ] {
+        let err = engine
+            .submit(job(0, direction, &[(0, 0), (slot, offset)]), &r.done)
+            .unwrap_err();
+        assert!(
+            matches!(err, EngineError::Memory(RegionError::OutOfRange { .. })),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        r.fake.calls(Call::CopyToHost) + r.fake.calls(Call::CopyToDevice),
+        0
+    );
+    assert!(r.settle(&mut engine).is_empty());
+}
+
+/// The device range must be device memory the driver knows, inside its allocations.
+#[test]
+fn device_memory_the_driver_does_not_know_is_refused() {
+    let r = rig(4, 1, 2);
+    let len = r.device_bytes();
+    let make = |base: u64, bytes: usize| {
+        // SAFETY: the fake driver's memory; the engine is dropped at once.
+        unsafe { CudaEngine::with_api(r.fake.clone(), r.region.clone(), 0, 0, base, bytes) }
+    };
+    for (base, bytes, why) in [
+        (DEVICE_BASE, len + 1, "is not in any allocation"),
+        (DEVICE_BASE - 4096, len, "is not in any allocation"),
+        (u64::MAX - 10, len, "past the end of the address space"),
+        (DEVICE_BASE, 0, "no bytes"),
+    ] {
+        let err = make(base, bytes).unwrap_err();
+        assert!(
+            matches!(err, EngineError::DeviceMemory { .. }),
+            "{base:#x}+{bytes}: {err}"
+        );
+        assert!(err.to_string().contains(why), "{err}");
+    }
+    r.fake.set_kind(false, false);
+    let err = make(DEVICE_BASE, len).unwrap_err();
+    assert!(err.to_string().contains("not device memory"), "{err}");
+    r.fake.set_kind(true, true);
+    let err = make(DEVICE_BASE, len).unwrap_err();
+    assert!(err.to_string().contains("managed memory"), "{err}");
+    r.fake.set_kind(true, false);
+    assert!(make(DEVICE_BASE, len).is_ok());
 }
