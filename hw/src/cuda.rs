@@ -13,8 +13,8 @@ mod fake;
 #[cfg(test)]
 mod tests;
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use cudarc::driver::result::DriverError;
@@ -114,6 +114,147 @@ fn check_device_memory(
     Ok(())
 }
 
+/// A retained primary context, released when the last holder drops it.
+struct Retained {
+    api: Arc<dyn Api>,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a context handle is a plain identifier, valid on any thread; it is only used after
+// being pushed current on the calling thread (`enter`).
+unsafe impl Send for Retained {}
+// SAFETY: as above; `Retained` has no interior mutability.
+unsafe impl Sync for Retained {}
+
+impl Retained {
+    fn new(api: Arc<dyn Api>, dev: sys::CUdevice) -> Result<Arc<Self>, EngineError> {
+        // SAFETY: `dev` was returned by the driver.
+        let ctx =
+            unsafe { api.retain_primary(dev) }.map_err(|e| gpu("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Arc::new(Retained { api, dev, ctx }))
+    }
+
+    /// Makes the context current on this thread, above whatever context the caller had,
+    /// until the guard is dropped.
+    fn enter(&self) -> Result<Current, EngineError> {
+        self.try_enter().map_err(|e| gpu("cuCtxPushCurrent", e))
+    }
+
+    /// [`enter`](Self::enter), answering the driver's error.
+    fn try_enter(&self) -> Result<Current, DriverError> {
+        // SAFETY: `self.ctx` is retained until `self` drops.
+        unsafe { self.api.push(self.ctx) }?;
+        Ok(Current {
+            api: self.api.clone(),
+        })
+    }
+}
+
+impl Drop for Retained {
+    fn drop(&mut self) {
+        // SAFETY: this retain is the holder's own, and nothing uses the context through it
+        // any more.
+        if let Err(e) = unsafe { self.api.release_primary(self.dev) } {
+            tracing::warn!(error = ?e.0, "releasing the CUDA primary context failed");
+        }
+    }
+}
+
+/// The engine's context made current; dropping it makes the caller's current again.
+struct Current {
+    api: Arc<dyn Api>,
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        if let Err(e) = self.api.pop() {
+            tracing::warn!(error = ?e.0, "restoring the caller's CUDA context failed");
+        }
+    }
+}
+
+/// The process's registrations of host memory with the driver, by start address. A range
+/// can be registered only once per process, and every engine over it needs it registered:
+/// the first engine registers it, the last one to go unregisters it.
+static REGISTRY: Mutex<BTreeMap<usize, Registered>> = Mutex::new(BTreeMap::new());
+
+struct Registered {
+    len: usize,
+    engines: usize,
+    /// The context the range was registered in, kept to unregister it.
+    ctx: Arc<Retained>,
+}
+
+fn registry() -> std::sync::MutexGuard<'static, BTreeMap<usize, Registered>> {
+    // The map is consistent at every unlock: a panic cannot leave it half changed.
+    REGISTRY.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One engine's share of the registration of its region as pinned host memory.
+struct Registration {
+    region: Arc<Region>,
+}
+
+impl Registration {
+    fn acquire(region: &Arc<Region>, ctx: &Arc<Retained>) -> Result<Self, EngineError> {
+        let (ptr, len) = region.raw_parts();
+        let mut registry = registry();
+        match registry.get_mut(&ptr.addr()) {
+            Some(r) if r.len == len => r.engines += 1,
+            Some(r) => {
+                return Err(EngineError::Gpu(format!(
+                    "the region's memory at {ptr:p} is registered with {} bytes, not {len}",
+                    r.len
+                )));
+            }
+            None => {
+                let _current = ctx.enter()?;
+                // SAFETY: `ptr..ptr + len` is the region's live mapping, kept alive by the
+                // `Arc` every `Registration` holds until the last one unregisters it.
+                unsafe { ctx.api.register(ptr, len) }
+                    .map_err(|e| gpu("cuMemHostRegister (pinning the region)", e))?;
+                registry.insert(
+                    ptr.addr(),
+                    Registered {
+                        len,
+                        engines: 1,
+                        ctx: ctx.clone(),
+                    },
+                );
+            }
+        }
+        Ok(Registration {
+            region: region.clone(),
+        })
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let ptr = self.region.raw_parts().0;
+        let mut registry = registry();
+        let Some(r) = registry.get_mut(&ptr.addr()) else {
+            return;
+        };
+        r.engines -= 1;
+        if r.engines > 0 {
+            return;
+        }
+        let r = registry.remove(&ptr.addr()).expect("just found");
+        match r.ctx.enter() {
+            // SAFETY: every engine that copied to or from the region has dropped its share,
+            // each after its streams drained: no queued copy uses the range.
+            Ok(_current) => {
+                if let Err(e) = unsafe { r.ctx.api.unregister(ptr) } {
+                    tracing::warn!(error = ?e.0, "unregistering the region from CUDA failed");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "the region could not be unregistered"),
+        }
+    }
+}
+
 struct InFlight {
     id: TransferId,
     event: sys::CUevent,
@@ -122,21 +263,27 @@ struct InFlight {
 }
 
 /// Copies between GPU memory and one worker's sub-slots of the region with CUDA.
+///
+/// Every entry point (`new`, `submit`, `poll`, `drop`) pushes the engine's context (the
+/// device's primary context) on the calling thread and pops it before returning, so the
+/// caller's current context is left as it was.
 pub struct CudaEngine {
-    api: Arc<dyn Api>,
-    region: Arc<Region>,
+    in_flight: VecDeque<InFlight>,
+    /// `None` only while `new` builds the engine (and after a failure there).
+    to_device: Option<sys::CUstream>,
+    to_region: Option<sys::CUstream>,
     worker: u16,
     device_base: sys::CUdeviceptr,
     device_bytes: usize,
-    dev: sys::CUdevice,
-    ctx: sys::CUcontext,
-    to_device: sys::CUstream,
-    to_region: sys::CUstream,
-    in_flight: VecDeque<InFlight>,
+    /// Dropped after `drop` drained the streams, and before `ctx`.
+    registration: Option<Registration>,
+    ctx: Arc<Retained>,
+    region: Arc<Region>,
+    api: Arc<dyn Api>,
 }
 
 // SAFETY: CUDA driver handles are plain identifiers valid on any thread once the context is
-// made current there, which every method does first.
+// current there, which every method makes it first.
 unsafe impl Send for CudaEngine {}
 
 impl std::fmt::Debug for CudaEngine {
@@ -195,30 +342,35 @@ impl CudaEngine {
         check_arguments(&region, worker, device_base, device_bytes)?;
         api.init().map_err(|e| gpu("cuInit", e))?;
         let dev = api.device(ordinal).map_err(|e| gpu("cuDeviceGet", e))?;
-        // SAFETY: `dev` was just returned by the driver.
-        let ctx =
-            unsafe { api.retain_primary(dev) }.map_err(|e| gpu("cuDevicePrimaryCtxRetain", e))?;
-        // SAFETY: `ctx` is the live primary context retained above.
-        unsafe { api.set_current(ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))?;
-        check_device_memory(&*api, ordinal, device_base, device_bytes)?;
-        let (ptr, len) = region.raw_parts();
-        // SAFETY: `ptr..ptr + len` is the region's live mapping, kept alive by the `Arc` this
-        // engine holds until `drop` unregisters it.
-        unsafe { api.register(ptr, len) }
-            .map_err(|e| gpu("cuMemHostRegister (pinning the region)", e))?;
-        let stream = || api.stream_create().map_err(|e| gpu("cuStreamCreate", e));
-        Ok(CudaEngine {
-            to_device: stream()?,
-            to_region: stream()?,
-            api,
-            region,
+        let ctx = Retained::new(api.clone(), dev)?;
+        // From here on, a failure drops the engine built so far, whose `drop` gives back
+        // what it holds.
+        let mut engine = CudaEngine {
+            in_flight: VecDeque::new(),
+            to_device: None,
+            to_region: None,
             worker,
             device_base,
             device_bytes,
-            dev,
+            registration: None,
             ctx,
-            in_flight: VecDeque::new(),
-        })
+            region,
+            api,
+        };
+        {
+            let _current = engine.ctx.enter()?;
+            check_device_memory(&*engine.api, ordinal, device_base, device_bytes)?;
+            engine.registration = Some(Registration::acquire(&engine.region, &engine.ctx)?);
+            let stream = || {
+                engine
+                    .api
+                    .stream_create()
+                    .map_err(|e| gpu("cuStreamCreate", e))
+            };
+            engine.to_device = Some(stream()?);
+            engine.to_region = Some(stream()?);
+        }
+        Ok(engine)
     }
 
     /// Where `copy` reads and writes: the offset of its sub-slot in the region and its device
@@ -239,10 +391,10 @@ impl CudaEngine {
                     size: region_len as u64,
                 })
             })?;
-        if !copy
+        if copy
             .device_offset
             .checked_add(len)
-            .is_some_and(|end| end <= self.device_bytes)
+            .is_none_or(|end| end > self.device_bytes)
         {
             return Err(EngineError::Memory(RegionError::OutOfRange {
                 offset: copy.device_offset as u64,
@@ -253,11 +405,6 @@ impl CudaEngine {
         // `device_base + device_bytes` was checked not to overflow in `new`.
         Ok((host, self.device_base + copy.device_offset as u64))
     }
-
-    fn make_current(&self) -> Result<(), EngineError> {
-        // SAFETY: `self.ctx` is retained until `drop`.
-        unsafe { self.api.set_current(self.ctx) }.map_err(|e| gpu("cuCtxSetCurrent", e))
-    }
 }
 
 impl TransferEngine for CudaEngine {
@@ -266,7 +413,6 @@ impl TransferEngine for CudaEngine {
     }
 
     fn submit(&mut self, job: CopyJob, _done: &Completions) -> Result<(), EngineError> {
-        self.make_current()?;
         let len = self.region.layout().block_bytes_per_worker;
         let copies = job
             .copies
@@ -277,7 +423,9 @@ impl TransferEngine for CudaEngine {
         let stream = match job.direction {
             Direction::ToRegion => self.to_region,
             Direction::ToDevice => self.to_device,
-        };
+        }
+        .expect("made by new");
+        let _current = self.ctx.enter()?;
         for &(host, dptr) in &copies {
             // SAFETY: both ranges were checked above to lie inside the registered region and
             // the engine's device memory. The slot is owned by this transfer until its event
@@ -308,9 +456,27 @@ impl TransferEngine for CudaEngine {
     }
 
     fn poll(&mut self, done: &Completions) -> bool {
-        if self.make_current().is_err() {
-            return !self.in_flight.is_empty();
+        if self.in_flight.is_empty() {
+            return false;
         }
+        let _current = match self.ctx.try_enter() {
+            Ok(current) => current,
+            Err(e) => {
+                // The context cannot be made current only once it is gone (destroyed, or the
+                // driver shut down), and its queued copies went with it: the transfers end
+                // as failed rather than being reported in flight for ever.
+                for t in self.in_flight.drain(..) {
+                    let _ = done.push(Completion::Transfer {
+                        id: t.id,
+                        result: Err(gpu("cuCtxPushCurrent (the engine's context is gone)", e)),
+                        bytes: 0,
+                        elapsed: t.started.elapsed(),
+                        service: t.started.elapsed(),
+                    });
+                }
+                return false;
+            }
+        };
         let mut i = 0;
         while i < self.in_flight.len() {
             let t = &self.in_flight[i];
@@ -341,21 +507,32 @@ impl TransferEngine for CudaEngine {
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
-        if self.make_current().is_err() {
-            return;
-        }
-        // SAFETY: the streams, events and registration are this engine's own live handles;
-        // synchronizing first means no copy still uses the region when it is unregistered.
+        // The registration and the context retain are given back after this, by their own
+        // `drop`, whatever happens here.
+        let _current = match self.ctx.enter() {
+            Ok(current) => current,
+            Err(e) => {
+                // The context is gone, and its streams, events and queued copies with it.
+                tracing::warn!(error = %e, "the CUDA engine's context is gone");
+                return;
+            }
+        };
+        let streams = [self.to_device.take(), self.to_region.take()];
+        // SAFETY: the streams and events are this engine's own live handles, not used after
+        // this. Synchronizing first means no copy still uses the region when the
+        // registration is given back.
         unsafe {
-            let _ = self.api.stream_synchronize(self.to_device);
-            let _ = self.api.stream_synchronize(self.to_region);
+            for &s in streams.iter().flatten() {
+                if let Err(e) = self.api.stream_synchronize(s) {
+                    tracing::warn!(error = ?e.0, "a CUDA stream failed while draining");
+                }
+            }
             for t in self.in_flight.drain(..) {
                 let _ = self.api.event_destroy(t.event);
             }
-            let _ = self.api.stream_destroy(self.to_device);
-            let _ = self.api.stream_destroy(self.to_region);
-            let _ = self.api.unregister(self.region.raw_parts().0);
-            let _ = self.api.release_primary(self.dev);
+            for &s in streams.iter().flatten() {
+                let _ = self.api.stream_destroy(s);
+            }
         }
     }
 }

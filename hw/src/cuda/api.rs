@@ -29,11 +29,6 @@ pub(super) trait Api: Send + Sync {
     /// # Safety
     /// `dev`'s primary context was retained by the caller, and is not used by it afterwards.
     unsafe fn release_primary(&self, dev: sys::CUdevice) -> Answer<()>;
-    /// `cuCtxSetCurrent`.
-    ///
-    /// # Safety
-    /// `ctx` is a live context.
-    unsafe fn set_current(&self, ctx: sys::CUcontext) -> Answer<()>;
     /// `cuCtxPushCurrent`: makes `ctx` current on this thread, above the caller's.
     ///
     /// # Safety
@@ -172,11 +167,6 @@ impl Api for Real {
     unsafe fn release_primary(&self, dev: sys::CUdevice) -> Answer<()> {
         // SAFETY: the caller's contract.
         unsafe { result::primary_ctx::release(dev) }
-    }
-
-    unsafe fn set_current(&self, ctx: sys::CUcontext) -> Answer<()> {
-        // SAFETY: the caller's contract.
-        unsafe { result::ctx::set_current(ctx) }
     }
 
     unsafe fn push(&self, ctx: sys::CUcontext) -> Answer<()> {

@@ -30,7 +30,6 @@ pub(super) enum Call {
     Device,
     Retain,
     Release,
-    SetCurrent,
     Push,
     Pop,
     Pointer,
@@ -370,14 +369,6 @@ impl Api for Fake {
         s.enter(Call::Release)?;
         assert!(s.retained > 0, "released a primary context not retained");
         s.retained -= 1;
-        Ok(())
-    }
-
-    unsafe fn set_current(&self, ctx: sys::CUcontext) -> Answer<()> {
-        let mut s = self.state();
-        s.enter(Call::SetCurrent)?;
-        s.ctx_stack.pop();
-        s.ctx_stack.push(ctx as usize);
         Ok(())
     }
 

@@ -2,10 +2,11 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::cudaError_enum;
 use kvtier_core::SlotId;
 
 use super::CudaEngine;
-use super::fake::{Call, DEVICE_BASE, Fake};
+use super::fake::{CALLER_CTX, Call, DEVICE_BASE, Fake};
 use crate::engine::{
     BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
 };
@@ -203,4 +204,123 @@ fn device_memory_the_driver_does_not_know_is_refused() {
     assert!(err.to_string().contains("managed memory"), "{err}");
     r.fake.set_kind(true, false);
     assert!(make(DEVICE_BASE, len).is_ok());
+}
+
+/// Whatever context the caller had current is current again after every entry point.
+#[test]
+fn the_callers_context_is_current_again_after_every_call() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after new");
+    engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after submit");
+    let _ = r.settle(&mut engine);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after poll");
+    drop(engine);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after drop");
+}
+
+/// Whichever step of `new` fails, the context retain, the registration and the streams it
+/// had taken are given back.
+#[test]
+fn a_failed_new_leaves_nothing_behind() {
+    for (call, n) in [
+        (Call::Push, 1),
+        (Call::Pointer, 1),
+        (Call::Register, 1),
+        (Call::StreamCreate, 1),
+        (Call::StreamCreate, 2),
+    ] {
+        let r = rig(4, 1, 2);
+        r.fake
+            .fail_nth(call, n, cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY);
+        let err = r.engine(0).unwrap_err();
+        assert!(
+            err.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "{err}"
+        );
+        assert_eq!(r.fake.retained(), 0, "{call:?} {n}: context retained");
+        assert_eq!(r.fake.registered(), [], "{call:?} {n}: region registered");
+        assert_eq!(r.fake.live_handles(), 0, "{call:?} {n}: streams left");
+        assert_eq!(r.fake.current(), Some(CALLER_CTX), "{call:?} {n}");
+    }
+}
+
+/// Dropping an engine with copies still queued lets them end, then gives everything back.
+#[test]
+fn dropping_the_engine_gives_everything_back() {
+    let r = rig(4, 1, 2);
+    r.fake.device_write(0, &pattern(3));
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    engine
+        .submit(job(0, Direction::ToRegion, &[(2, 0)]), &r.done)
+        .unwrap();
+    assert_eq!(r.fake.pending_copies(), 1);
+    drop(engine);
+    assert_eq!(r.fake.pending_copies(), 0);
+    assert_eq!(r.sub_slot(2, 0), pattern(3));
+    assert_eq!(r.fake.retained(), 0);
+    assert_eq!(r.fake.registered(), []);
+    assert_eq!(r.fake.live_handles(), 0);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX));
+}
+
+/// When the context can no longer be made current (it is gone, and its work with it), drop
+/// still releases the context's retain.
+#[test]
+fn dropping_without_a_context_still_releases_it() {
+    let r = rig(4, 1, 2);
+    let engine = r.engine(0).unwrap();
+    let code = cudaError_enum::CUDA_ERROR_INVALID_CONTEXT;
+    r.fake
+        .fail_from(Call::Push, r.fake.calls(Call::Push) + 1, code);
+    drop(engine);
+    assert_eq!(r.fake.retained(), 0);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX));
+}
+
+/// When the context can no longer be made current, poll ends the transfers in flight as
+/// failed instead of answering forever that they are in flight.
+#[test]
+fn poll_without_a_context_ends_the_transfers() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    engine
+        .submit(job(7, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    let code = cudaError_enum::CUDA_ERROR_INVALID_CONTEXT;
+    r.fake
+        .fail_from(Call::Push, r.fake.calls(Call::Push) + 1, code);
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(7), Err(_))]), "{ends:?}");
+}
+
+/// Two engines (two workers) over one region in one process: one registration, kept until
+/// the last engine goes.
+#[test]
+fn engines_over_one_region_share_its_registration() {
+    let r = rig(4, 2, 2);
+    r.fake.device_write(0, &pattern(5));
+    let first = r.engine(0).unwrap();
+    let mut second = r.engine(1).unwrap();
+    assert_eq!(r.fake.registered().len(), 1);
+    drop(first);
+    assert_eq!(
+        r.fake.registered().len(),
+        1,
+        "the second engine still copies"
+    );
+    second
+        .submit(job(0, Direction::ToRegion, &[(3, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut second);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert_eq!(r.sub_slot(3, 1), pattern(5));
+    drop(second);
+    assert_eq!(r.fake.registered(), []);
+    assert_eq!(r.fake.retained(), 0);
 }
