@@ -255,11 +255,24 @@ impl Drop for Registration {
     }
 }
 
+/// A transfer whose copies were queued.
 struct InFlight {
     id: TransferId,
-    event: sys::CUevent,
+    end: End,
     bytes: u64,
     started: Instant,
+}
+
+/// How a transfer in flight learns its end.
+enum End {
+    /// Its event, recorded on `stream` after its copies.
+    Event {
+        event: sys::CUevent,
+        stream: sys::CUstream,
+    },
+    /// It failed after some of its copies were queued, and those have run since: it is
+    /// reported at the next poll.
+    Failed(EngineError),
 }
 
 /// Copies between GPU memory and one worker's sub-slots of the region with CUDA.
@@ -373,6 +386,25 @@ impl CudaEngine {
         Ok(engine)
     }
 
+    /// Waits until the work queued on `stream` has ended. The context must be current.
+    ///
+    /// `cuStreamSynchronize` returns once the stream's work has ended, or with the error of a
+    /// context that failed for good (after which the driver runs none of its work): either
+    /// way no copy of the stream touches memory afterwards.
+    fn drain(&self, stream: sys::CUstream) -> Result<(), EngineError> {
+        // SAFETY: `stream` is one of this engine's live streams.
+        unsafe { self.api.stream_synchronize(stream) }.map_err(|e| gpu("cuStreamSynchronize", e))
+    }
+
+    /// Destroys an event of this engine that nothing uses any more. The context must be
+    /// current.
+    fn destroy_event(&self, event: sys::CUevent) {
+        // SAFETY: `event` is live and, as the caller says, not used again.
+        if let Err(e) = unsafe { self.api.event_destroy(event) } {
+            tracing::warn!(error = ?e.0, "destroying a CUDA event failed");
+        }
+    }
+
     /// Where `copy` reads and writes: the offset of its sub-slot in the region and its device
     /// address, each checked to lie inside its memory (with no overflow on the way).
     fn locate(&self, copy: &BlockCopy) -> Result<(usize, sys::CUdeviceptr), EngineError> {
@@ -413,6 +445,7 @@ impl TransferEngine for CudaEngine {
     }
 
     fn submit(&mut self, job: CopyJob, _done: &Completions) -> Result<(), EngineError> {
+        let started = Instant::now();
         let len = self.region.layout().block_bytes_per_worker;
         let copies = job
             .copies
@@ -426,11 +459,17 @@ impl TransferEngine for CudaEngine {
         }
         .expect("made by new");
         let _current = self.ctx.enter()?;
-        for &(host, dptr) in &copies {
+        // Made first: a failure here has queued nothing.
+        let event = self
+            .api
+            .event_create()
+            .map_err(|e| gpu("cuEventCreate", e))?;
+        let mut failure = None;
+        for (i, &(host, dptr)) in copies.iter().enumerate() {
             // SAFETY: both ranges were checked above to lie inside the registered region and
-            // the engine's device memory. The slot is owned by this transfer until its event
-            // completes (Pending for a store, load-pinned for a load: I3, I6), so no one else
-            // touches the host bytes while the DMA runs.
+            // the engine's device memory. The slot is owned by this transfer until it is
+            // reported (Pending for a store, load-pinned for a load: I3, I6), which happens
+            // only after its copies ran, so no one else touches the host bytes meanwhile.
             let host = unsafe { base.add(host) };
             let r = match job.direction {
                 // SAFETY: as above.
@@ -438,19 +477,48 @@ impl TransferEngine for CudaEngine {
                 // SAFETY: as above.
                 Direction::ToDevice => unsafe { self.api.copy_to_device(dptr, host, len, stream) },
             };
-            r.map_err(|e| gpu("cuMemcpyAsync", e))?;
+            if let Err(e) = r {
+                if i == 0 {
+                    // Nothing queued: the job is refused.
+                    self.destroy_event(event);
+                    return Err(gpu("cuMemcpyAsync", e));
+                }
+                failure = Some(gpu("cuMemcpyAsync", e));
+                break;
+            }
         }
-        let event = self
-            .api
-            .event_create()
-            .map_err(|e| gpu("cuEventCreate", e))?;
-        // SAFETY: `event` and `stream` are live handles of the current context.
-        unsafe { self.api.event_record(event, stream) }.map_err(|e| gpu("cuEventRecord", e))?;
+        if failure.is_none() {
+            // SAFETY: `event` and `stream` are live handles of the current context.
+            match unsafe { self.api.event_record(event, stream) } {
+                Ok(()) => {
+                    self.in_flight.push_back(InFlight {
+                        id: job.id,
+                        end: End::Event { event, stream },
+                        bytes: (len * copies.len()) as u64,
+                        started,
+                    });
+                    return Ok(());
+                }
+                Err(e) if copies.is_empty() => {
+                    self.destroy_event(event);
+                    return Err(gpu("cuEventRecord", e));
+                }
+                Err(e) => failure = Some(gpu("cuEventRecord", e)),
+            }
+        }
+        self.destroy_event(event);
+        // Copies of this job are queued and run whatever happens now: the job may end only
+        // once they have, or the driver would free its slots (or release its pins) under a
+        // running DMA. Waiting here is the error path only.
+        let mut error = failure.expect("set on every path that reaches here");
+        if let Err(e) = self.drain(stream) {
+            error = EngineError::Gpu(format!("{error}; then {e}"));
+        }
         self.in_flight.push_back(InFlight {
             id: job.id,
-            event,
-            bytes: (len * job.copies.len()) as u64,
-            started: Instant::now(),
+            end: End::Failed(error),
+            bytes: 0,
+            started,
         });
         Ok(())
     }
@@ -466,9 +534,15 @@ impl TransferEngine for CudaEngine {
                 // driver shut down), and its queued copies went with it: the transfers end
                 // as failed rather than being reported in flight for ever.
                 for t in self.in_flight.drain(..) {
+                    let result = match t.end {
+                        End::Failed(failure) => Err(failure),
+                        End::Event { .. } => {
+                            Err(gpu("cuCtxPushCurrent (the engine's context is gone)", e))
+                        }
+                    };
                     let _ = done.push(Completion::Transfer {
                         id: t.id,
-                        result: Err(gpu("cuCtxPushCurrent (the engine's context is gone)", e)),
+                        result,
                         bytes: 0,
                         elapsed: t.started.elapsed(),
                         service: t.started.elapsed(),
@@ -479,19 +553,33 @@ impl TransferEngine for CudaEngine {
         };
         let mut i = 0;
         while i < self.in_flight.len() {
-            let t = &self.in_flight[i];
-            // SAFETY: `t.event` is live until destroyed below.
-            let result = match unsafe { self.api.event_query(t.event) } {
-                Ok(false) => {
-                    i += 1;
-                    continue;
-                }
-                Ok(true) => Ok(()),
-                Err(e) => Err(gpu("transfer", e)),
+            let result = match &self.in_flight[i].end {
+                End::Failed(_) => None,
+                // SAFETY: the event is live until the transfer is removed below.
+                &End::Event { event, stream } => match unsafe { self.api.event_query(event) } {
+                    Ok(false) => {
+                        i += 1;
+                        continue;
+                    }
+                    Ok(true) => Some(Ok(())),
+                    Err(e) => {
+                        // Only ended once the stream has drained what it queued.
+                        let error = gpu("transfer", e);
+                        Some(match self.drain(stream) {
+                            Ok(()) => Err(error),
+                            Err(d) => Err(EngineError::Gpu(format!("{error}; then {d}"))),
+                        })
+                    }
+                },
             };
             let t = self.in_flight.remove(i).expect("index checked");
-            // SAFETY: the event has completed (or failed) and is not used again.
-            let _ = unsafe { self.api.event_destroy(t.event) };
+            let result = match (t.end, result) {
+                (End::Failed(e), _) => Err(e),
+                (End::Event { event, .. }, result) => {
+                    self.destroy_event(event);
+                    result.expect("an event's result is set above")
+                }
+            };
             let _ = done.push(Completion::Transfer {
                 id: t.id,
                 bytes: if result.is_ok() { t.bytes } else { 0 },
@@ -528,7 +616,9 @@ impl Drop for CudaEngine {
                 }
             }
             for t in self.in_flight.drain(..) {
-                let _ = self.api.event_destroy(t.event);
+                if let End::Event { event, .. } = t.end {
+                    let _ = self.api.event_destroy(event);
+                }
             }
             for &s in streams.iter().flatten() {
                 let _ = self.api.stream_destroy(s);

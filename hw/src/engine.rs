@@ -106,7 +106,14 @@ pub trait TransferEngine: Send {
     fn name(&self) -> &'static str;
 
     /// Starts `job`. Its completion arrives on `done` (pushed by the engine's threads) or
-    /// from [`poll`](Self::poll). A refused job (`Err`) reports no completion.
+    /// from [`poll`](Self::poll).
+    ///
+    /// An `Err` means the job was refused and nothing of it was queued: no copy touches
+    /// memory for it and no completion follows, so the caller may give back at once what it
+    /// reserved for the job (a store's Pending slots, a load's pins). Once any copy of a job
+    /// is queued, `submit` answers `Ok` even if a later step fails: the job then ends through
+    /// its completion, as failed, and only once every copy queued for it has stopped
+    /// touching memory.
     fn submit(&mut self, job: CopyJob, done: &Completions) -> Result<(), EngineError>;
 
     /// Pushes the completions of transfers that ended since the last call, for engines that

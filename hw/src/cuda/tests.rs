@@ -324,3 +324,112 @@ fn engines_over_one_region_share_its_registration() {
     assert_eq!(r.fake.registered(), []);
     assert_eq!(r.fake.retained(), 0);
 }
+
+/// A copy that fails after earlier ones were queued: submit accepts the job (its copies are
+/// running), and poll reports it failed only once the queued copies have run, so the slots
+/// it names are not reused under a late DMA.
+#[test]
+fn a_copy_failing_after_others_were_queued_ends_through_poll() {
+    let r = rig(4, 1, 3);
+    for b in 0..3 {
+        r.fake.device_write(b * BLOCK, &pattern(b as u8));
+    }
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    r.fake.fail_nth(
+        Call::CopyToHost,
+        2,
+        cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS,
+    );
+    engine
+        .submit(
+            job(
+                4,
+                Direction::ToRegion,
+                &[(0, 0), (1, BLOCK), (2, 2 * BLOCK)],
+            ),
+            &r.done,
+        )
+        .expect("a job with queued copies ends through poll");
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(4), Err(_))]), "{ends:?}");
+    assert!(format!("{:?}", ends[0].1).contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+    assert_eq!(
+        r.fake.pending_copies(),
+        0,
+        "reported while a copy was queued"
+    );
+    assert_eq!(
+        r.sub_slot(0, 0),
+        pattern(0),
+        "the queued copy ran before the report"
+    );
+}
+
+/// The job's event cannot be recorded after its copies were queued: as above.
+#[test]
+fn an_event_failing_after_the_copies_were_queued_ends_through_poll() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    r.fake
+        .fail_next_engine_record(cudaError_enum::CUDA_ERROR_LAUNCH_FAILED);
+    engine
+        .submit(job(5, Direction::ToDevice, &[(0, 0), (1, BLOCK)]), &r.done)
+        .expect("a job with queued copies ends through poll");
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(5), Err(_))]), "{ends:?}");
+    assert_eq!(
+        r.fake.pending_copies(),
+        0,
+        "reported while a copy was queued"
+    );
+}
+
+/// The first copy is refused: nothing was queued, so submit answers the error, no
+/// completion follows and nothing is left behind.
+#[test]
+fn a_submit_refused_before_any_copy_was_queued_reports_nothing() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    let handles = r.fake.live_handles();
+    r.fake.fail_nth(
+        Call::CopyToDevice,
+        1,
+        cudaError_enum::CUDA_ERROR_INVALID_VALUE,
+    );
+    let err = engine
+        .submit(job(6, Direction::ToDevice, &[(0, 0), (1, BLOCK)]), &r.done)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("CUDA_ERROR_INVALID_VALUE"),
+        "{err}"
+    );
+    assert!(r.settle(&mut engine).is_empty());
+    assert_eq!(r.fake.pending_copies(), 0);
+    assert_eq!(r.fake.live_handles(), handles, "an event was left behind");
+}
+
+/// The driver answers an error for a job's event: the job is reported failed only once its
+/// stream has drained.
+#[test]
+fn a_failed_event_query_reports_only_after_the_stream_drained() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    engine
+        .submit(job(8, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    r.fake.fail_nth(
+        Call::EventQuery,
+        r.fake.calls(Call::EventQuery) + 1,
+        cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS,
+    );
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(8), Err(_))]), "{ends:?}");
+    assert_eq!(
+        r.fake.pending_copies(),
+        0,
+        "reported while a copy was queued"
+    );
+}
