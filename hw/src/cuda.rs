@@ -2,6 +2,11 @@
 //! copies are batched asynchronous `cuMemcpy` calls on one stream per direction, each
 //! transfer ends with an event, and completion is learnt by polling the events.
 //!
+//! Every transfer is ordered after the work queued on the inference engine's compute stream
+//! when it is submitted ([`CudaEngine::set_compute_stream`]). A transfer whose copies were
+//! queued ends only through [`poll`](TransferEngine::poll), once they have run, even when a
+//! later driver call failed: `submit` answers `Err` only when nothing was queued.
+//!
 //! The CUDA driver library is loaded at run time: this builds without a CUDA toolkit, and
 //! [`CudaEngine::new`] answers a clear error on a machine without a GPU driver. Every driver
 //! call goes through a small internal trait, so that the tests can run the engine on a fake
@@ -285,6 +290,10 @@ pub struct CudaEngine {
     /// `None` only while `new` builds the engine (and after a failure there).
     to_device: Option<sys::CUstream>,
     to_region: Option<sys::CUstream>,
+    /// Recorded on `compute` and waited for by the copy stream at every submit.
+    order: Option<sys::CUevent>,
+    /// The inference engine's compute stream (null: the legacy default stream).
+    compute: sys::CUstream,
     worker: u16,
     device_base: sys::CUdeviceptr,
     device_bytes: usize,
@@ -362,6 +371,8 @@ impl CudaEngine {
             in_flight: VecDeque::new(),
             to_device: None,
             to_region: None,
+            order: None,
+            compute: std::ptr::null_mut(),
             worker,
             device_base,
             device_bytes,
@@ -382,8 +393,48 @@ impl CudaEngine {
             };
             engine.to_device = Some(stream()?);
             engine.to_region = Some(stream()?);
+            engine.order = Some(
+                engine
+                    .api
+                    .event_create()
+                    .map_err(|e| gpu("cuEventCreate", e))?,
+            );
         }
         Ok(engine)
+    }
+
+    /// Orders the work queued on the inference engine's compute stream before every
+    /// transfer submitted from now on: a store reads its device blocks, and a load
+    /// overwrites them, only after the kernels queued there so far have ended. At each
+    /// submit the engine records an event on this stream and makes its copy stream wait
+    /// for it (`cuEventRecord` + `cuStreamWaitEvent`: the CPU does not wait), as vLLM's
+    /// offloading handlers make their transfer stream wait for the current stream.
+    ///
+    /// Until this is called the compute stream is the legacy default stream (the null
+    /// stream), which the engine's own streams, being non-blocking, would otherwise not
+    /// wait for. Pass the stream the model's kernels run on (with PyTorch,
+    /// `torch.cuda.current_stream().cuda_stream` cast to a `CUstream`). The other way round
+    /// is the caller's: the device blocks of a store must stay unchanged, and those of a
+    /// load unread, until the transfer's completion.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is the null stream or a live stream of GPU `ordinal`'s primary context, and
+    /// stays live until another is set or the engine is dropped.
+    pub unsafe fn set_compute_stream(&mut self, stream: sys::CUstream) {
+        self.compute = stream;
+    }
+
+    /// Makes `stream` wait for the work queued on the compute stream so far. The context must
+    /// be current. Queues no copy.
+    fn order_after_compute(&self, stream: sys::CUstream) -> Result<(), EngineError> {
+        let order = self.order.expect("made by new");
+        // SAFETY: `order` is this engine's live event; `self.compute` is the null stream or a
+        // live stream of this context (`set_compute_stream`'s contract).
+        unsafe { self.api.event_record(order, self.compute) }
+            .map_err(|e| gpu("cuEventRecord (on the compute stream)", e))?;
+        // SAFETY: `stream` and `order` are this engine's live handles.
+        unsafe { self.api.stream_wait(stream, order) }.map_err(|e| gpu("cuStreamWaitEvent", e))
     }
 
     /// Waits until the work queued on `stream` has ended. The context must be current.
@@ -464,6 +515,10 @@ impl TransferEngine for CudaEngine {
             .api
             .event_create()
             .map_err(|e| gpu("cuEventCreate", e))?;
+        if let Err(e) = self.order_after_compute(stream) {
+            self.destroy_event(event);
+            return Err(e);
+        }
         let mut failure = None;
         for (i, &(host, dptr)) in copies.iter().enumerate() {
             // SAFETY: both ranges were checked above to lie inside the registered region and
@@ -619,6 +674,9 @@ impl Drop for CudaEngine {
                 if let End::Event { event, .. } = t.end {
                     let _ = self.api.event_destroy(event);
                 }
+            }
+            if let Some(order) = self.order.take() {
+                let _ = self.api.event_destroy(order);
             }
             for &s in streams.iter().flatten() {
                 let _ = self.api.stream_destroy(s);

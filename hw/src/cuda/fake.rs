@@ -171,14 +171,14 @@ impl Fake {
         }
     }
 
-    /// Work queued on the engine's streams that has not run yet.
-    pub(super) fn pending_copies(&self) -> u64 {
+    /// Copies queued that have not run yet.
+    pub(super) fn pending_copies(&self) -> usize {
         let s = self.state();
         s.streams
             .values()
-            .filter(|st| st.engine)
-            .map(|st| st.queued - st.done)
-            .sum()
+            .flat_map(|st| &st.ops)
+            .filter(|op| matches!(op, Op::Copy { .. }))
+            .count()
     }
 
     /// The context current on the test's thread.

@@ -115,13 +115,19 @@ fn copies_go_to_the_region_and_back() {
         .unwrap();
     let ends = r.settle(&mut engine);
     assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
-    assert_eq!(r.sub_slot(1, 0), pattern(1));
+    assert!(
+        r.sub_slot(1, 0) == pattern(1),
+        "the sub-slot holds other bytes"
+    );
     engine
         .submit(job(1, Direction::ToDevice, &[(1, BLOCK)]), &r.done)
         .unwrap();
     let ends = r.settle(&mut engine);
     assert!(matches!(ends[..], [(TransferId(1), Ok(()))]), "{ends:?}");
-    assert_eq!(r.fake.device_read(BLOCK, BLOCK), pattern(1));
+    assert!(
+        r.fake.device_read(BLOCK, BLOCK) == pattern(1),
+        "the device holds other bytes"
+    );
     assert_eq!(r.fake.calls(Call::CopyToHost), 1);
     assert_eq!(r.fake.calls(Call::CopyToDevice), 1);
 }
@@ -232,6 +238,7 @@ fn a_failed_new_leaves_nothing_behind() {
         (Call::Register, 1),
         (Call::StreamCreate, 1),
         (Call::StreamCreate, 2),
+        (Call::EventCreate, 1),
     ] {
         let r = rig(4, 1, 2);
         r.fake
@@ -261,7 +268,10 @@ fn dropping_the_engine_gives_everything_back() {
     assert_eq!(r.fake.pending_copies(), 1);
     drop(engine);
     assert_eq!(r.fake.pending_copies(), 0);
-    assert_eq!(r.sub_slot(2, 0), pattern(3));
+    assert!(
+        r.sub_slot(2, 0) == pattern(3),
+        "the sub-slot holds other bytes"
+    );
     assert_eq!(r.fake.retained(), 0);
     assert_eq!(r.fake.registered(), []);
     assert_eq!(r.fake.live_handles(), 0);
@@ -319,7 +329,10 @@ fn engines_over_one_region_share_its_registration() {
         .unwrap();
     let ends = r.settle(&mut second);
     assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
-    assert_eq!(r.sub_slot(3, 1), pattern(5));
+    assert!(
+        r.sub_slot(3, 1) == pattern(5),
+        "the sub-slot holds other bytes"
+    );
     drop(second);
     assert_eq!(r.fake.registered(), []);
     assert_eq!(r.fake.retained(), 0);
@@ -359,9 +372,8 @@ fn a_copy_failing_after_others_were_queued_ends_through_poll() {
         0,
         "reported while a copy was queued"
     );
-    assert_eq!(
-        r.sub_slot(0, 0),
-        pattern(0),
+    assert!(
+        r.sub_slot(0, 0) == pattern(0),
         "the queued copy ran before the report"
     );
 }
@@ -432,4 +444,78 @@ fn a_failed_event_query_reports_only_after_the_stream_drained() {
         0,
         "reported while a copy was queued"
     );
+}
+
+/// By default the copies wait for the work queued on the legacy default stream: a store
+/// reads the block the compute kernel queued there writes, not what was there before.
+#[test]
+fn a_store_waits_for_the_default_stream() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.launch(std::ptr::null_mut(), 0, &pattern(9));
+    engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert!(
+        r.sub_slot(0, 0) == pattern(9),
+        "the sub-slot holds other bytes"
+    );
+}
+
+/// With a compute stream set, a store reads the blocks only after the work queued there,
+/// and a load overwrites its blocks only after it: a kernel still writing (or reading)
+/// the old block cannot run after the load.
+#[test]
+fn copies_wait_for_the_compute_stream_set() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    let compute = r.fake.user_stream();
+    // SAFETY: a stream of the fake driver, live as long as the fake.
+    unsafe { engine.set_compute_stream(compute) };
+    r.fake.launch(compute, 0, &pattern(4));
+    engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert!(
+        r.sub_slot(0, 0) == pattern(4),
+        "the sub-slot holds other bytes"
+    );
+
+    r.region.write_sub(SlotId(1), 0, &pattern(2)).unwrap();
+    r.fake.launch(compute, BLOCK, &pattern(7));
+    engine
+        .submit(job(1, Direction::ToDevice, &[(1, BLOCK)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(1), Ok(()))]), "{ends:?}");
+    r.fake.run_all();
+    assert!(
+        r.fake.device_read(BLOCK, BLOCK) == pattern(2),
+        "the device holds other bytes"
+    );
+}
+
+/// The copy stream cannot be made to wait for the compute stream: the job is refused with
+/// nothing queued and nothing left behind.
+#[test]
+fn a_job_that_cannot_wait_for_the_compute_stream_is_refused() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    let handles = r.fake.live_handles();
+    r.fake.fail_nth(
+        Call::StreamWait,
+        1,
+        cudaError_enum::CUDA_ERROR_INVALID_HANDLE,
+    );
+    let err = engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap_err();
+    assert!(err.to_string().contains("cuStreamWaitEvent"), "{err}");
+    assert_eq!(r.fake.pending_copies(), 0);
+    assert!(r.settle(&mut engine).is_empty());
+    assert_eq!(r.fake.live_handles(), handles);
 }
