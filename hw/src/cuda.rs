@@ -248,9 +248,9 @@ impl Drop for Registration {
         }
         let r = registry.remove(&ptr.addr()).expect("just found");
         match r.ctx.enter() {
-            // SAFETY: every engine that copied to or from the region has dropped its share,
-            // each after its streams drained: no queued copy uses the range.
             Ok(_current) => {
+                // SAFETY: every engine that copied to or from the region has dropped its
+                // share, each after its streams drained: no queued copy uses the range.
                 if let Err(e) = unsafe { r.ctx.api.unregister(ptr) } {
                     tracing::warn!(error = ?e.0, "unregistering the region from CUDA failed");
                 }
