@@ -61,6 +61,24 @@ pub enum EngineError {
     /// A copy thread panicked; the transfer failed and the thread serves the next one.
     #[error("a copy thread panicked: {0}")]
     Panicked(String),
+    /// The engine was asked to serve a worker the region has no sub-slots for.
+    #[error("worker {worker} does not exist: the region has {workers} workers")]
+    NoSuchWorker {
+        /// The worker asked for.
+        worker: u16,
+        /// Workers of the region (valid workers are `0..workers`).
+        workers: u16,
+    },
+    /// The device memory given to a GPU engine is not memory it may copy to and from.
+    #[error("device memory {base:#x}+{bytes}: {reason}")]
+    DeviceMemory {
+        /// Its first address.
+        base: u64,
+        /// Its length.
+        bytes: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// The end of one piece of IO, pushed by IO threads (or engine polling) to the driver.
@@ -92,7 +110,14 @@ pub trait TransferEngine: Send {
     fn name(&self) -> &'static str;
 
     /// Starts `job`. Its completion arrives on `done` (pushed by the engine's threads) or
-    /// from [`poll`](Self::poll). A refused job (`Err`) reports no completion.
+    /// from [`poll`](Self::poll).
+    ///
+    /// An `Err` means the job was refused and nothing of it was queued: no copy touches
+    /// memory for it and no completion follows, so the caller may give back at once what it
+    /// reserved for the job (a store's Pending slots, a load's pins). Once any copy of a job
+    /// is queued, `submit` answers `Ok` even if a later step fails: the job then ends through
+    /// its completion, as failed, and only once every copy queued for it has stopped
+    /// touching memory.
     fn submit(&mut self, job: CopyJob, done: &Completions) -> Result<(), EngineError>;
 
     /// Pushes the completions of transfers that ended since the last call, for engines that

@@ -1,11 +1,14 @@
-//! The CUDA engine. Without a GPU driver it must refuse with a clear error (checked on every
-//! machine built with `--features cuda`); the copy test needs a GPU and runs only with
-//! `KVTIER_CUDA_TESTS=1`.
+//! The CUDA engine. Without a GPU driver it must refuse with a clear error, and bad arguments
+//! are refused before the driver is asked (both checked on every machine built with
+//! `--features cuda`); the copy test needs a GPU and runs only with `KVTIER_CUDA_TESTS=1`.
+//! The engine's behaviour on driver failures is tested on a fake driver, in the crate's unit
+//! tests (`cargo test -p kvtier-hw --features cuda --lib cuda`).
 #![cfg(all(feature = "cuda", not(loom)))]
+#![allow(unsafe_code)]
 
 use std::sync::Arc;
 
-use kvtier_hw::{CudaEngine, Layout, Region, cuda_driver_present};
+use kvtier_hw::{CudaEngine, EngineError, Layout, Region, cuda_driver_present};
 
 fn region(dir: &std::path::Path) -> Arc<Region> {
     Arc::new(Region::create(&dir.join("region"), Layout::new(4, 1, 4096).unwrap(), 1).unwrap())
@@ -17,13 +20,31 @@ fn without_a_driver_the_engine_refuses_clearly() {
         return; // a GPU machine: covered by the test below
     }
     let dir = tempfile::tempdir().unwrap();
-    let err = CudaEngine::new(region(dir.path()), 0, 0, 0, 0).unwrap_err();
+    // SAFETY: refused before any device memory is used.
+    let err = unsafe { CudaEngine::new(region(dir.path()), 0, 0, 0x1000, 4096) }.unwrap_err();
     assert!(err.to_string().contains("CUDA driver library"), "{err}");
+}
+
+/// The region has one worker: worker 1 is refused, with or without a GPU.
+#[test]
+fn a_worker_the_region_lacks_is_refused_before_the_driver_is_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    // SAFETY: refused before any device memory is used.
+    let err = unsafe { CudaEngine::new(region(dir.path()), 1, 0, 0x1000, 4096) }.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::NoSuchWorker {
+                worker: 1,
+                workers: 1
+            }
+        ),
+        "{err}"
+    );
 }
 
 /// A block goes GPU → region slot 0 → GPU at another offset, byte for byte.
 #[test]
-#[allow(unsafe_code)]
 fn copies_reach_the_gpu_and_back() {
     use cudarc::driver::result;
     use kvtier_core::SlotId;
@@ -42,8 +63,9 @@ fn copies_reach_the_gpu_and_back() {
         result::memcpy_htod_sync(dptr, &pattern).unwrap();
         dptr
     };
-    let mut engine =
-        CudaEngine::new(region(dir.path()), 0, 0, dptr, 2 * 4096).expect("a GPU is present");
+    // SAFETY: `dptr` holds 2 * 4096 bytes of GPU 0, freed only when the process ends.
+    let mut engine = unsafe { CudaEngine::new(region(dir.path()), 0, 0, dptr, 2 * 4096) }
+        .expect("a GPU is present");
     let done = Arc::new(Queue::new());
     for (id, direction, offset) in [(0, Direction::ToRegion, 0), (1, Direction::ToDevice, 4096)] {
         let copies = vec![BlockCopy {

@@ -1,0 +1,521 @@
+//! The engine on the fake driver: what it queues, when it reports, and what it gives back.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::cudaError_enum;
+use kvtier_core::SlotId;
+
+use super::CudaEngine;
+use super::fake::{CALLER_CTX, Call, DEVICE_BASE, Fake};
+use crate::engine::{
+    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
+};
+use crate::queue::Queue;
+use crate::region::{Layout, Region, RegionError};
+
+const BLOCK: usize = 4096;
+
+struct Rig {
+    _dir: tempfile::TempDir,
+    region: Arc<Region>,
+    fake: Arc<Fake>,
+    done: Completions,
+}
+
+/// A region of `rows` rows for `workers` workers, and a fake GPU with `device_blocks` blocks.
+fn rig(rows: u32, workers: u16, device_blocks: usize) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = Layout::new(rows, workers, BLOCK).unwrap();
+    let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
+    Rig {
+        _dir: dir,
+        region,
+        fake: Arc::new(Fake::new(device_blocks * BLOCK)),
+        done: Arc::new(Queue::new()),
+    }
+}
+
+impl Rig {
+    fn engine(&self, worker: u16) -> Result<CudaEngine, EngineError> {
+        // SAFETY: the fake driver's memory, which lives as long as the fake.
+        unsafe {
+            CudaEngine::with_api(
+                self.fake.clone(),
+                self.region.clone(),
+                worker,
+                0,
+                DEVICE_BASE,
+                self.device_bytes(),
+            )
+        }
+    }
+
+    fn device_bytes(&self) -> usize {
+        self.fake.device_len()
+    }
+
+    /// Polls until nothing is in flight (failing the test if that never comes), and returns
+    /// the completions in the order they came.
+    fn settle(&self, engine: &mut CudaEngine) -> Vec<(TransferId, Result<(), EngineError>)> {
+        let mut polls = 0;
+        while engine.poll(&self.done) {
+            polls += 1;
+            assert!(
+                polls < 1000,
+                "poll keeps answering that transfers are in flight"
+            );
+        }
+        let mut ends = Vec::new();
+        self.done.drain_into(&mut ends);
+        ends.into_iter()
+            .map(|c| match c {
+                Completion::Transfer { id, result, .. } => (id, result),
+                Completion::Tier(_) => unreachable!("no tier here"),
+            })
+            .collect()
+    }
+
+    fn sub_slot(&self, slot: u32, worker: u16) -> Vec<u8> {
+        let mut out = vec![0; BLOCK];
+        self.region
+            .read_sub(SlotId(slot), worker, &mut out)
+            .unwrap();
+        out
+    }
+}
+
+fn job(id: u64, direction: Direction, copies: &[(u32, usize)]) -> CopyJob {
+    CopyJob {
+        id: TransferId(id),
+        direction,
+        copies: copies
+            .iter()
+            .map(|&(slot, device_offset)| BlockCopy {
+                slot: SlotId(slot),
+                device_offset,
+            })
+            .collect(),
+    }
+}
+
+fn pattern(seed: u8) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| (i as u8).wrapping_mul(7) ^ seed)
+        .collect()
+}
+
+/// A block goes device → region slot 1 → device at another offset, byte for byte.
+#[test]
+fn copies_go_to_the_region_and_back() {
+    let r = rig(4, 1, 2);
+    r.fake.device_write(0, &pattern(1));
+    let mut engine = r.engine(0).unwrap();
+    engine
+        .submit(job(0, Direction::ToRegion, &[(1, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert!(
+        r.sub_slot(1, 0) == pattern(1),
+        "the sub-slot holds other bytes"
+    );
+    engine
+        .submit(job(1, Direction::ToDevice, &[(1, BLOCK)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(1), Ok(()))]), "{ends:?}");
+    assert!(
+        r.fake.device_read(BLOCK, BLOCK) == pattern(1),
+        "the device holds other bytes"
+    );
+    assert_eq!(r.fake.calls(Call::CopyToHost), 1);
+    assert_eq!(r.fake.calls(Call::CopyToDevice), 1);
+}
+
+/// The region has workers 0 and 1: an engine for worker 2 is refused with a clear error.
+#[test]
+fn a_worker_the_region_lacks_is_refused() {
+    let r = rig(4, 2, 2);
+    let err = r.engine(2).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::NoSuchWorker {
+                worker: 2,
+                workers: 2
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("the region has 2 workers"),
+        "{err}"
+    );
+}
+
+/// Copies naming memory outside the region or the device are refused before anything is
+/// queued, even where the offsets would overflow.
+#[test]
+fn copies_outside_memory_are_refused_without_overflow() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    for (direction, slot, offset) in [
+        (Direction::ToRegion, 0, usize::MAX - 100),
+        (Direction::ToDevice, 0, 2 * BLOCK - 1),
+        (Direction::ToRegion, 4, 0),
+        (Direction::ToDevice, u32::MAX, 0),
+    ] {
+        let err = engine
+            .submit(job(0, direction, &[(0, 0), (slot, offset)]), &r.done)
+            .unwrap_err();
+        assert!(
+            matches!(err, EngineError::Memory(RegionError::OutOfRange { .. })),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        r.fake.calls(Call::CopyToHost) + r.fake.calls(Call::CopyToDevice),
+        0
+    );
+    assert!(r.settle(&mut engine).is_empty());
+}
+
+/// The device range must be device memory the driver knows, inside its allocations.
+#[test]
+fn device_memory_the_driver_does_not_know_is_refused() {
+    let r = rig(4, 1, 2);
+    let len = r.device_bytes();
+    let make = |base: u64, bytes: usize| {
+        // SAFETY: the fake driver's memory; the engine is dropped at once.
+        unsafe { CudaEngine::with_api(r.fake.clone(), r.region.clone(), 0, 0, base, bytes) }
+    };
+    for (base, bytes, why) in [
+        (DEVICE_BASE, len + 1, "is not in any allocation"),
+        (DEVICE_BASE - 4096, len, "is not in any allocation"),
+        (u64::MAX - 10, len, "past the end of the address space"),
+        (DEVICE_BASE, 0, "no bytes"),
+    ] {
+        let err = make(base, bytes).unwrap_err();
+        assert!(
+            matches!(err, EngineError::DeviceMemory { .. }),
+            "{base:#x}+{bytes}: {err}"
+        );
+        assert!(err.to_string().contains(why), "{err}");
+    }
+    r.fake.set_kind(false, false);
+    let err = make(DEVICE_BASE, len).unwrap_err();
+    assert!(err.to_string().contains("not device memory"), "{err}");
+    r.fake.set_kind(true, true);
+    let err = make(DEVICE_BASE, len).unwrap_err();
+    assert!(err.to_string().contains("managed memory"), "{err}");
+    r.fake.set_kind(true, false);
+    assert!(make(DEVICE_BASE, len).is_ok());
+}
+
+/// Whatever context the caller had current is current again after every entry point.
+#[test]
+fn the_callers_context_is_current_again_after_every_call() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after new");
+    engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after submit");
+    let _ = r.settle(&mut engine);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after poll");
+    drop(engine);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX), "after drop");
+}
+
+/// Whichever step of `new` fails, the context retain, the registration and the streams it
+/// had taken are given back.
+#[test]
+fn a_failed_new_leaves_nothing_behind() {
+    for (call, n) in [
+        (Call::Push, 1),
+        (Call::Pointer, 1),
+        (Call::Register, 1),
+        (Call::StreamCreate, 1),
+        (Call::StreamCreate, 2),
+        (Call::EventCreate, 1),
+    ] {
+        let r = rig(4, 1, 2);
+        r.fake
+            .fail_nth(call, n, cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY);
+        let err = r.engine(0).unwrap_err();
+        assert!(
+            err.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "{err}"
+        );
+        assert_eq!(r.fake.retained(), 0, "{call:?} {n}: context retained");
+        assert_eq!(r.fake.registered(), [], "{call:?} {n}: region registered");
+        assert_eq!(r.fake.live_handles(), 0, "{call:?} {n}: streams left");
+        assert_eq!(r.fake.current(), Some(CALLER_CTX), "{call:?} {n}");
+    }
+}
+
+/// Dropping an engine with copies still queued lets them end, then gives everything back.
+#[test]
+fn dropping_the_engine_gives_everything_back() {
+    let r = rig(4, 1, 2);
+    r.fake.device_write(0, &pattern(3));
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    engine
+        .submit(job(0, Direction::ToRegion, &[(2, 0)]), &r.done)
+        .unwrap();
+    assert_eq!(r.fake.pending_copies(), 1);
+    drop(engine);
+    assert_eq!(r.fake.pending_copies(), 0);
+    assert!(
+        r.sub_slot(2, 0) == pattern(3),
+        "the sub-slot holds other bytes"
+    );
+    assert_eq!(r.fake.retained(), 0);
+    assert_eq!(r.fake.registered(), []);
+    assert_eq!(r.fake.live_handles(), 0);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX));
+}
+
+/// When the context can no longer be made current (it is gone, and its work with it), drop
+/// still releases the context's retain.
+#[test]
+fn dropping_without_a_context_still_releases_it() {
+    let r = rig(4, 1, 2);
+    let engine = r.engine(0).unwrap();
+    let code = cudaError_enum::CUDA_ERROR_INVALID_CONTEXT;
+    r.fake
+        .fail_from(Call::Push, r.fake.calls(Call::Push) + 1, code);
+    drop(engine);
+    assert_eq!(r.fake.retained(), 0);
+    assert_eq!(r.fake.current(), Some(CALLER_CTX));
+}
+
+/// When the context can no longer be made current, poll ends the transfers in flight as
+/// failed instead of answering forever that they are in flight.
+#[test]
+fn poll_without_a_context_ends_the_transfers() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    engine
+        .submit(job(7, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    let code = cudaError_enum::CUDA_ERROR_INVALID_CONTEXT;
+    r.fake
+        .fail_from(Call::Push, r.fake.calls(Call::Push) + 1, code);
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(7), Err(_))]), "{ends:?}");
+}
+
+/// Two engines (two workers) over one region in one process: one registration, kept until
+/// the last engine goes.
+#[test]
+fn engines_over_one_region_share_its_registration() {
+    let r = rig(4, 2, 2);
+    r.fake.device_write(0, &pattern(5));
+    let first = r.engine(0).unwrap();
+    let mut second = r.engine(1).unwrap();
+    assert_eq!(r.fake.registered().len(), 1);
+    drop(first);
+    assert_eq!(
+        r.fake.registered().len(),
+        1,
+        "the second engine still copies"
+    );
+    second
+        .submit(job(0, Direction::ToRegion, &[(3, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut second);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert!(
+        r.sub_slot(3, 1) == pattern(5),
+        "the sub-slot holds other bytes"
+    );
+    drop(second);
+    assert_eq!(r.fake.registered(), []);
+    assert_eq!(r.fake.retained(), 0);
+}
+
+/// A copy that fails after earlier ones were queued: submit accepts the job (its copies are
+/// running), and poll reports it failed only once the queued copies have run, so the slots
+/// it names are not reused under a late DMA.
+#[test]
+fn a_copy_failing_after_others_were_queued_ends_through_poll() {
+    let r = rig(4, 1, 3);
+    for b in 0..3 {
+        r.fake.device_write(b * BLOCK, &pattern(b as u8));
+    }
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    r.fake.fail_nth(
+        Call::CopyToHost,
+        2,
+        cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS,
+    );
+    engine
+        .submit(
+            job(
+                4,
+                Direction::ToRegion,
+                &[(0, 0), (1, BLOCK), (2, 2 * BLOCK)],
+            ),
+            &r.done,
+        )
+        .expect("a job with queued copies ends through poll");
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(4), Err(_))]), "{ends:?}");
+    assert!(format!("{:?}", ends[0].1).contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+    assert_eq!(
+        r.fake.pending_copies(),
+        0,
+        "reported while a copy was queued"
+    );
+    assert!(
+        r.sub_slot(0, 0) == pattern(0),
+        "the queued copy ran before the report"
+    );
+}
+
+/// The job's event cannot be recorded after its copies were queued: as above.
+#[test]
+fn an_event_failing_after_the_copies_were_queued_ends_through_poll() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    r.fake
+        .fail_next_engine_record(cudaError_enum::CUDA_ERROR_LAUNCH_FAILED);
+    engine
+        .submit(job(5, Direction::ToDevice, &[(0, 0), (1, BLOCK)]), &r.done)
+        .expect("a job with queued copies ends through poll");
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(5), Err(_))]), "{ends:?}");
+    assert_eq!(
+        r.fake.pending_copies(),
+        0,
+        "reported while a copy was queued"
+    );
+}
+
+/// The first copy is refused: nothing was queued, so submit answers the error, no
+/// completion follows and nothing is left behind.
+#[test]
+fn a_submit_refused_before_any_copy_was_queued_reports_nothing() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    let handles = r.fake.live_handles();
+    r.fake.fail_nth(
+        Call::CopyToDevice,
+        1,
+        cudaError_enum::CUDA_ERROR_INVALID_VALUE,
+    );
+    let err = engine
+        .submit(job(6, Direction::ToDevice, &[(0, 0), (1, BLOCK)]), &r.done)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("CUDA_ERROR_INVALID_VALUE"),
+        "{err}"
+    );
+    assert!(r.settle(&mut engine).is_empty());
+    assert_eq!(r.fake.pending_copies(), 0);
+    assert_eq!(r.fake.live_handles(), handles, "an event was left behind");
+}
+
+/// The driver answers an error for a job's event: the job is reported failed only once its
+/// stream has drained.
+#[test]
+fn a_failed_event_query_reports_only_after_the_stream_drained() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    engine
+        .submit(job(8, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    r.fake.fail_nth(
+        Call::EventQuery,
+        r.fake.calls(Call::EventQuery) + 1,
+        cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS,
+    );
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(8), Err(_))]), "{ends:?}");
+    assert_eq!(
+        r.fake.pending_copies(),
+        0,
+        "reported while a copy was queued"
+    );
+}
+
+/// By default the copies wait for the work queued on the legacy default stream: a store
+/// reads the block the compute kernel queued there writes, not what was there before.
+#[test]
+fn a_store_waits_for_the_default_stream() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.launch(std::ptr::null_mut(), 0, &pattern(9));
+    engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert!(
+        r.sub_slot(0, 0) == pattern(9),
+        "the sub-slot holds other bytes"
+    );
+}
+
+/// With a compute stream set, a store reads the blocks only after the work queued there,
+/// and a load overwrites its blocks only after it: a kernel still writing (or reading)
+/// the old block cannot run after the load.
+#[test]
+fn copies_wait_for_the_compute_stream_set() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    let compute = r.fake.user_stream();
+    // SAFETY: a stream of the fake driver, live as long as the fake.
+    unsafe { engine.set_compute_stream(compute) };
+    r.fake.launch(compute, 0, &pattern(4));
+    engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    assert!(
+        r.sub_slot(0, 0) == pattern(4),
+        "the sub-slot holds other bytes"
+    );
+
+    r.region.write_sub(SlotId(1), 0, &pattern(2)).unwrap();
+    r.fake.launch(compute, BLOCK, &pattern(7));
+    engine
+        .submit(job(1, Direction::ToDevice, &[(1, BLOCK)]), &r.done)
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(1), Ok(()))]), "{ends:?}");
+    r.fake.run_all();
+    assert!(
+        r.fake.device_read(BLOCK, BLOCK) == pattern(2),
+        "the device holds other bytes"
+    );
+}
+
+/// The copy stream cannot be made to wait for the compute stream: the job is refused with
+/// nothing queued and nothing left behind.
+#[test]
+fn a_job_that_cannot_wait_for_the_compute_stream_is_refused() {
+    let r = rig(4, 1, 2);
+    let mut engine = r.engine(0).unwrap();
+    let handles = r.fake.live_handles();
+    r.fake.fail_nth(
+        Call::StreamWait,
+        1,
+        cudaError_enum::CUDA_ERROR_INVALID_HANDLE,
+    );
+    let err = engine
+        .submit(job(0, Direction::ToRegion, &[(0, 0)]), &r.done)
+        .unwrap_err();
+    assert!(err.to_string().contains("cuStreamWaitEvent"), "{err}");
+    assert_eq!(r.fake.pending_copies(), 0);
+    assert!(r.settle(&mut engine).is_empty());
+    assert_eq!(r.fake.live_handles(), handles);
+}
