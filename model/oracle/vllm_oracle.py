@@ -28,7 +28,8 @@ bytes. Requests are named by ``req`` (a string, vLLM's ``req_id``); the oracle k
 request-scoped state in it (recency rank, keys seen, token positions) and completions may
 arrive after ``request_finished``.
 
-Managers (one at a time; creating one drops the previous manager and all requests):
+Managers (one at a time; creating one drops the previous manager and all requests, once the
+new one has been built):
 
 - ``create_cpu {num_blocks, policy: "lru"|"arc", events: bool=true, store_threshold: int=1,
   max_tracker_size: int=64000}`` -> null. ``CPUOffloadingManager(num_chunks=num_blocks, ...)``.
@@ -260,8 +261,9 @@ class _MemoryRegion:
     """In-memory stand-in for the primary tier's SharedOffloadRegion (scheduler side)."""
 
     def __init__(self, num_chunks: int, row_bytes: int):
-        self._shape = (num_chunks, row_bytes)
-        self._buf = bytearray(num_chunks * row_bytes)
+        # A memoryview cannot have a zero dimension: an empty tier still gets one row.
+        self._shape = (max(num_chunks, 1), row_bytes)
+        self._buf = bytearray(self._shape[0] * row_bytes)
 
     def create_kv_memoryview(self) -> memoryview:
         return memoryview(self._buf).cast("B", self._shape)
@@ -427,15 +429,15 @@ class Oracle:
         events = _field(msg, "events", bool, True)
         store_threshold = _field(msg, "store_threshold", int, 1)
         max_tracker_size = _field(msg, "max_tracker_size", int, 64_000)
-        self._drop_manager()
-        self.manager = self.vllm.CPUOffloadingManager(
+        manager = self.vllm.CPUOffloadingManager(
             num_chunks=num_blocks,
             cache_policy=policy,
             enable_events=events,
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
         )
-        self.primary = self.manager
+        self._drop_manager()
+        self.manager = self.primary = manager
 
     def op_create_tiering(self, msg: dict) -> None:
         num_blocks = _field(msg, "num_blocks", int)
@@ -445,7 +447,6 @@ class Oracle:
         tier_specs = _field(msg, "tiers", list, [])
         if block_bytes < 1:
             raise RequestError("block_bytes must be at least 1")
-        self._drop_manager()
         primary = self.vllm.CPUPrimaryTierOffloadingManager(
             num_chunks=num_blocks,
             mmap_region=_MemoryRegion(num_blocks, block_bytes),
@@ -470,9 +471,11 @@ class Oracle:
                     _field(spec, "drain_success", bool, True),
                 )
             )
-        self.manager = self.vllm.TieringOffloadingManager(
+        manager = self.vllm.TieringOffloadingManager(
             primary_tier=primary, secondary_tiers=tiers, tier_poll_interval_s=0
         )
+        self._drop_manager()
+        self.manager = manager
         self.primary = primary
         self.tiers = tiers
 
