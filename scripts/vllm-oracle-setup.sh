@@ -15,7 +15,7 @@ set -euo pipefail
 
 version=0.33.0
 # Bump when PARTS or the venv's packages change: a stale install is then rebuilt.
-layout="layout 1: kv_offload, kv_connector/v1/offloading, math_utils, cache_hit_source; numpy typing_extensions"
+layout="layout 2: kv_offload, kv_connector/v1/offloading, math_utils, cache_hit_source; numpy 2.4.6, typing_extensions 4.16.0"
 cache="${KVTIER_CACHE:-$HOME/.cache/kvtier}"
 dir="$cache/vllm-$version"
 python="${PYTHON:-python3}"
@@ -26,7 +26,8 @@ mkdir -p "$dir"
 exec 9>"$dir/.lock"
 flock 9
 
-if [[ -f "$dir/.ready" && "$(cat "$dir/.ready")" == "$layout" ]]; then
+if [[ -f "$dir/.ready" && "$(cat "$dir/.ready")" == "$layout" && -x "$dir/venv/bin/python" &&
+    -f "$dir/site/vllm/v1/kv_offload/cpu/manager.py" ]]; then
     echo "$dir"
     exit 0
 fi
@@ -43,7 +44,7 @@ if [[ -z "$wheel" ]]; then
         cp "$KVTIER_VLLM_WHEEL" "$dir/wheel/"
     else
         say "pip download --no-deps vllm==$version (about 340 MB)"
-        "$python" -m pip download --quiet --no-deps --only-binary=:all: \
+        "$python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
             --dest "$dir/wheel.part" "vllm==$version" >&2
         mv "$dir"/wheel.part/vllm-"$version"-*.whl "$dir/wheel/"
         rm -rf "$dir/wheel.part"
@@ -78,8 +79,8 @@ EOF
 # 3. The venv with what the managers themselves import from outside vLLM.
 rm -rf "$dir/venv"
 "$python" -m venv "$dir/venv"
-"$dir/venv/bin/python" -m pip install --quiet "numpy>=1.26" "typing_extensions>=4.10" >&2
-"$dir/venv/bin/python" - "$dir" "$(cd "$(dirname "$0")/.." && pwd)/model/oracle" <<'EOF'
+"$dir/venv/bin/python" -m pip install --quiet --disable-pip-version-check "numpy==2.4.6" "typing_extensions==4.16.0" >&2
+PYTHONDONTWRITEBYTECODE=1 "$dir/venv/bin/python" - "$dir" "$(cd "$(dirname "$0")/.." && pwd)/model/oracle" <<'EOF'
 import sys
 install, oracle = sys.argv[1], sys.argv[2]
 sys.path[:0] = [oracle]

@@ -607,3 +607,127 @@ fn tiering_starts_a_failed_promotion_again_at_the_next_lookup() {
     // The failed writes' removals name a key the retry owns again: none is reported.
     assert_eq!(o.take_events().unwrap(), vec![]);
 }
+
+/// A small multi-turn trace: 400 requests, each a shared prefix of one of 40 conversations
+/// followed by blocks of its own.
+fn synthetic_trace() -> Vec<Vec<u64>> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % n
+    };
+    (0..400u64)
+        .map(|i| {
+            let conversation = next(40);
+            let shared = next(12) + 1;
+            let own = next(4);
+            (0..shared)
+                .map(|j| conversation * 100 + j)
+                .chain((0..own).map(|j| 10_000 + i * 10 + j))
+                .collect()
+        })
+        .collect()
+}
+
+/// `model/oracle/replay.py`'s call sequence, sent through the client: (hit blocks, stored).
+fn replay_through_client(
+    o: &mut VllmOracle,
+    trace: &[Vec<u64>],
+    num_blocks: u32,
+    policy: Policy,
+) -> (u64, u64) {
+    o.create_cpu(&CpuConfig::new(num_blocks, policy)).unwrap();
+    let (mut hits, mut stored) = (0, 0);
+    for (n, ids) in trace.iter().enumerate() {
+        let req = format!("req-{n}");
+        let keys = ks(ids);
+        let positions: Vec<(Key, u64)> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| (key.clone(), 512 * (i as u64 + 1)))
+            .collect();
+        o.new_request(&req).unwrap();
+        o.set_positions(&req, &positions).unwrap();
+        let answers = o.lookup_many(&req, &keys, true).unwrap();
+        assert!(
+            answers.iter().all(|a| matches!(a, Hit | Miss)),
+            "{answers:?}"
+        );
+        let n_hits = answers.iter().take_while(|a| **a == Hit).count();
+        let mut new_req_ids = vec![req.as_str()];
+        if n_hits > 0 {
+            o.prepare_load(&req, &keys[..n_hits]).unwrap();
+            o.schedule_end(&new_req_ids, &[]).unwrap();
+            new_req_ids.clear();
+            o.complete_load(&req, &keys[..n_hits]).unwrap();
+        }
+        if n_hits < keys.len() {
+            let prepared = o.prepare_store(&req, &keys[n_hits..]).unwrap();
+            o.schedule_end(&new_req_ids, &[]).unwrap();
+            new_req_ids.clear();
+            let prepared = prepared.expect("store refused");
+            if !prepared.keys_to_store.is_empty() {
+                stored += prepared.keys_to_store.len() as u64;
+                o.complete_store(&req, &prepared.keys_to_store, true)
+                    .unwrap();
+            }
+        }
+        o.request_finished(&req).unwrap();
+        o.schedule_end(&new_req_ids, &[]).unwrap();
+        o.drop_request(&req).unwrap();
+        hits += n_hits as u64;
+    }
+    (hits, stored)
+}
+
+#[test]
+fn the_replay_script_and_the_client_agree_on_a_trace() {
+    let Some(mut o) = oracle() else { return };
+    let trace = synthetic_trace();
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    for ids in &trace {
+        writeln!(
+            file,
+            "{}",
+            serde_json::json!({ "timestamp": 0, "hash_ids": ids })
+        )
+        .unwrap();
+    }
+    let dir = kvtier_model::oracle::install_dir();
+    for (policy, name) in [(Policy::Lru, "lru"), (Policy::Arc, "arc")] {
+        let out = std::process::Command::new(dir.join("venv/bin/python"))
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/oracle/replay.py"))
+            .args(["--vllm-dir".as_ref(), dir.as_os_str()])
+            .args(["--policy", name, "--fraction", "0.1", "--json"])
+            .arg(file.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let num = |field: &str| {
+            report[field]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{field} in {report}"))
+        };
+        assert_eq!(
+            num("blocks"),
+            trace.iter().map(|ids| ids.len() as u64).sum::<u64>()
+        );
+        assert_eq!(num("deferrals"), 0);
+        assert_eq!(num("store_refused"), 0);
+        let capacity = u32::try_from(num("capacity_blocks")).unwrap();
+        let (hits, stored) = replay_through_client(&mut o, &trace, capacity, policy);
+        assert_eq!(
+            (hits, stored),
+            (num("hits"), num("stored")),
+            "{name}: client vs replay.py"
+        );
+        assert!(hits > 0, "{name}: the trace has reuse");
+    }
+}
