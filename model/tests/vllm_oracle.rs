@@ -682,6 +682,31 @@ fn replay_through_client(
     (hits, stored)
 }
 
+/// `model/oracle/replay.py --json` on `trace` at `fraction` of its distinct blocks.
+fn replay_py(trace: &std::path::Path, policy: &str, fraction: &str) -> serde_json::Value {
+    let dir = kvtier_model::oracle::install_dir();
+    let out = std::process::Command::new(dir.join("venv/bin/python"))
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/oracle/replay.py"))
+        .args(["--vllm-dir".as_ref(), dir.as_os_str()])
+        .args(["--policy", policy, "--fraction", fraction, "--json"])
+        .arg(trace)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn field(report: &serde_json::Value, name: &str) -> u64 {
+    report[name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{name} in {report}"))
+}
+
 #[test]
 fn the_replay_script_and_the_client_agree_on_a_trace() {
     let Some(mut o) = oracle() else { return };
@@ -695,39 +720,44 @@ fn the_replay_script_and_the_client_agree_on_a_trace() {
         )
         .unwrap();
     }
-    let dir = kvtier_model::oracle::install_dir();
     for (policy, name) in [(Policy::Lru, "lru"), (Policy::Arc, "arc")] {
-        let out = std::process::Command::new(dir.join("venv/bin/python"))
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/oracle/replay.py"))
-            .args(["--vllm-dir".as_ref(), dir.as_os_str()])
-            .args(["--policy", name, "--fraction", "0.1", "--json"])
-            .arg(file.path())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let num = |field: &str| {
-            report[field]
-                .as_u64()
-                .unwrap_or_else(|| panic!("{field} in {report}"))
-        };
+        let report = replay_py(file.path(), name, "0.1");
         assert_eq!(
-            num("blocks"),
+            field(&report, "blocks"),
             trace.iter().map(|ids| ids.len() as u64).sum::<u64>()
         );
-        assert_eq!(num("deferrals"), 0);
-        assert_eq!(num("store_refused"), 0);
-        let capacity = u32::try_from(num("capacity_blocks")).unwrap();
+        assert_eq!(field(&report, "deferrals"), 0);
+        assert_eq!(field(&report, "store_refused"), 0);
+        let capacity = u32::try_from(field(&report, "capacity_blocks")).unwrap();
         let (hits, stored) = replay_through_client(&mut o, &trace, capacity, policy);
         assert_eq!(
             (hits, stored),
-            (num("hits"), num("stored")),
+            (field(&report, "hits"), field(&report, "stored")),
             "{name}: client vs replay.py"
         );
         assert!(hits > 0, "{name}: the trace has reuse");
+    }
+}
+
+/// vLLM's hits on the repository's Mooncake excerpt (800 requests, 18,882 blocks, 16,156
+/// distinct), one request at a time with the scheduler's call sequence: the reference the
+/// core's replay must match.
+#[test]
+fn the_mooncake_excerpt_replays_to_vllms_hit_counts() {
+    if oracle().is_none() {
+        return;
+    }
+    let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/data/mooncake-excerpt.jsonl");
+    for (policy, fraction, capacity, hits) in [
+        ("lru", "0.05", 807, 162),
+        ("arc", "0.05", 807, 247),
+        ("lru", "0.25", 4039, 1057),
+        ("arc", "0.25", 4039, 1107),
+    ] {
+        let report = replay_py(&trace, policy, fraction);
+        assert_eq!(field(&report, "blocks"), 18_882);
+        assert_eq!(field(&report, "capacity_blocks"), capacity);
+        assert_eq!(field(&report, "hits"), hits, "{policy} at {fraction}");
     }
 }
