@@ -8,10 +8,13 @@
 //! - [`checker`]: the stateright model over the real core and its outstanding jobs.
 //! - [`fuzz_ops`], [`fuzz_config`]: the bodies of the cargo-fuzz targets, also replayed on
 //!   stable by the corpus test.
+//! - [`oracle`]: vLLM 0.33.0's own offloading managers as a differential oracle
+//!   ([`oracle::VllmOracle`], a client of `model/oracle/vllm_oracle.py`).
 
 pub mod checker;
 mod harness;
 mod op;
+pub mod oracle;
 mod reference;
 
 pub use harness::{Harness, Mismatch};
