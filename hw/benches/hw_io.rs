@@ -1,6 +1,9 @@
 //! Side-by-side bandwidth of kvtier's IO paths against their raw baselines:
 //! - region copies through the host engine vs a plain `memcpy` of the same bytes;
-//! - file tier writes and reads (header, checksum, O_DIRECT) vs raw sequential O_DIRECT IO.
+//! - file tier writes and reads (header, checksum, O_DIRECT) vs raw sequential O_DIRECT IO;
+//! - the file tier's put bandwidth under each fsync policy, for jobs of 1 and 16 blocks;
+//! - opening a 1 GiB file tier: record headers only (the default) vs every payload verified
+//!   (the full scan opening did before), with the page cache dropped before each open.
 //!
 //! `cargo bench -p kvtier-hw --bench hw_io`; the figures go to docs/performance.md.
 #![allow(missing_docs)]
@@ -12,8 +15,8 @@ use std::sync::Arc;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvtier_core::{Key, SlotId};
 use kvtier_hw::{
-    BlockCopy, CopyJob, Direction, FileStore, HostEngine, HostMemory, Layout, PAGE, Queue, Region,
-    SecondaryStore, TransferEngine, TransferId,
+    BlockCopy, CopyJob, Direction, FileOptions, FileStore, FsyncPolicy, HostEngine, HostMemory,
+    Layout, PAGE, Queue, Region, SecondaryStore, TransferEngine, TransferId,
 };
 
 const BLOCKS: usize = 64;
@@ -83,10 +86,15 @@ fn files(c: &mut Criterion) {
     g.sample_size(10);
     let block = 256 << 10;
     let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
-    let store = FileStore::open(
+    // No syncs: the same work as the raw writes it is compared with (see `fsync` below).
+    let store = FileStore::open_with(
         &dir.path().join("tier"),
         block,
         (BLOCKS * (block + PAGE) + PAGE) as u64,
+        FileOptions {
+            fsync: FsyncPolicy::None,
+            ..FileOptions::default()
+        },
     )
     .unwrap();
     let buf = aligned(block);
@@ -101,6 +109,15 @@ fn files(c: &mut Criterion) {
                 store.delete(k).unwrap();
                 store.put(k, &buf).unwrap();
             }
+        })
+    });
+    g.bench_function("store_put_many_64", |b| {
+        b.iter(|| {
+            for k in &keys {
+                store.delete(k).unwrap();
+            }
+            let batch: Vec<(&Key, &[u8])> = keys.iter().map(|k| (k, &buf[..])).collect();
+            assert!(store.put_many(&batch).iter().all(Result::is_ok));
         })
     });
     g.bench_function("store_get", |b| {
@@ -135,5 +152,98 @@ fn files(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, copies, files);
+/// Put bandwidth under each fsync policy: 64 blocks of 256 KiB per iteration, as jobs of 1
+/// block (one `put` each) and of 16 (`put_many`).
+fn fsync(c: &mut Criterion) {
+    let mut g = c.benchmark_group("file_fsync");
+    g.sample_size(10);
+    let block = 256 << 10;
+    let buf = aligned(block);
+    let keys: Vec<Key> = (0..BLOCKS as u64)
+        .map(|i| Key::new(&i.to_le_bytes()))
+        .collect();
+    g.throughput(Throughput::Bytes((BLOCKS * block) as u64));
+    for policy in [FsyncPolicy::None, FsyncPolicy::Batch, FsyncPolicy::Write] {
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        let store = FileStore::open_with(
+            dir.path(),
+            block,
+            (BLOCKS * (block + PAGE) + PAGE) as u64,
+            FileOptions {
+                fsync: policy,
+                ..FileOptions::default()
+            },
+        )
+        .unwrap();
+        for job in [1, 16] {
+            let name = format!("{policy}_job_{job}");
+            g.bench_function(BenchmarkId::new(name, block), |b| {
+                b.iter(|| {
+                    for k in &keys {
+                        store.delete(k).unwrap();
+                    }
+                    for chunk in keys.chunks(job) {
+                        let batch: Vec<(&Key, &[u8])> =
+                            chunk.iter().map(|k| (k, &buf[..])).collect();
+                        assert!(store.put_many(&batch).iter().all(Result::is_ok));
+                    }
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// Drops `path`'s pages from the page cache (what a cold open finds).
+fn drop_cache(path: &std::path::Path) {
+    let f = std::fs::File::open(path).unwrap();
+    f.sync_all().unwrap();
+    nix::fcntl::posix_fadvise(
+        &f,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .unwrap();
+}
+
+/// Opening a 1 GiB tier full of blocks: headers only vs every payload verified.
+fn open(c: &mut Criterion) {
+    let mut g = c.benchmark_group("file_open_1GiB");
+    g.sample_size(10);
+    for block in [256usize << 10, 16 << 10] {
+        let blocks = (1usize << 30) / block;
+        let cap = (PAGE + blocks * (PAGE + block)) as u64;
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        {
+            let store = FileStore::open(dir.path(), block, cap).unwrap();
+            let buf = aligned(block);
+            let keys: Vec<Key> = (0..blocks as u64)
+                .map(|i| Key::new(&i.to_le_bytes()))
+                .collect();
+            for chunk in keys.chunks(64) {
+                let batch: Vec<(&Key, &[u8])> = chunk.iter().map(|k| (k, &buf[..])).collect();
+                assert!(store.put_many(&batch).iter().all(Result::is_ok));
+            }
+        }
+        let data = dir.path().join(kvtier_hw::DATA_FILE);
+        for (name, verify) in [("headers", false), ("full_scan", true)] {
+            let options = FileOptions {
+                verify_at_open: verify,
+                ..FileOptions::default()
+            };
+            g.bench_with_input(BenchmarkId::new(name, block), &block, |b, &block| {
+                b.iter(|| {
+                    drop_cache(&data);
+                    let store =
+                        FileStore::open_with(dir.path(), block, cap, options.clone()).unwrap();
+                    assert_eq!(store.open_report().recovered, blocks);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, copies, files, fsync, open);
 criterion_main!(benches);

@@ -68,7 +68,7 @@ pub const MAX_KEY_BYTES: usize = PAGE - HEADER_FIXED;
 /// Bytes of one superblock copy (two per superblock page).
 const SUPER_COPY: usize = PAGE / 2;
 /// Bytes of a superblock copy before the identity.
-const SUPER_FIXED: usize = 48;
+const SUPER_FIXED: usize = 64;
 /// The longest identity a tier records.
 pub const MAX_IDENTITY_BYTES: usize = 1024;
 /// The data file's name inside the tier directory.
@@ -77,6 +77,9 @@ pub const DATA_FILE: &str = "blocks.kvt";
 pub const LOCK_FILE: &str = "blocks.kvt.lock";
 /// The name a new tier is built under before it is published as [`DATA_FILE`].
 pub const TEMP_FILE: &str = "blocks.kvt.new";
+/// The index written at a clean close, read by the next open instead of every header.
+pub const INDEX_FILE: &str = "blocks.kvt.index";
+const INDEX_MAGIC: &[u8; 8] = b"KVTINDEX";
 /// Records written by one `pwritev` at most (two IO vectors each, under `IOV_MAX`).
 const MAX_RUN: usize = 256;
 
@@ -197,13 +200,17 @@ pub struct OpenReport {
     pub created: bool,
     /// Whether a temporary left by a creator that died was removed.
     pub removed_temporary: bool,
+    /// Whether the index came from the one written at the last clean close (no header was
+    /// read); otherwise every record header was read (after a crash, or verifying at open).
+    pub from_index: bool,
 }
 
 /// One record seen at open: its key and sequence number, empty, or why it was dropped.
 type Scanned = (u32, Result<Option<(Key, u64)>, &'static str>);
 
 struct Index {
-    records: BTreeMap<Key, u32>,
+    /// Where each block is: its record and sequence number.
+    records: BTreeMap<Key, (u32, u64)>,
     free: BTreeSet<u32>,
     /// Where the next allocation looks first (next fit: runs of free records are reused in
     /// order, so a job's blocks land side by side).
@@ -237,6 +244,13 @@ pub struct FileStore {
     recovered: Vec<Key>,
     report: OpenReport,
     corrupt_reads: AtomicU64,
+    /// Where a clean close writes the index.
+    index_file: Box<dyn DataFile>,
+    /// The superblock in force, and its copy.
+    sup: Super,
+    slot: usize,
+    /// Closed as a crash would: no sync, no index.
+    abandoned: bool,
     /// Held for as long as the tier is open; released after the file is closed.
     _lock: Box<dyn Send + Sync>,
 }
@@ -373,11 +387,16 @@ impl<'a> Header<'a> {
 }
 
 /// One copy of the superblock.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Super {
     generation: u64,
     block_bytes: u64,
     records: u64,
+    /// Bytes of the clean-close index in [`INDEX_FILE`]; 0 while the tier is open (the index
+    /// file is then stale) or after a crash.
+    index_len: u64,
+    /// xxh3 of those bytes.
+    index_sum: u64,
     identity: Vec<u8>,
 }
 
@@ -390,9 +409,11 @@ impl Super {
         copy[16..24].copy_from_slice(&self.generation.to_le_bytes());
         copy[24..32].copy_from_slice(&self.block_bytes.to_le_bytes());
         copy[32..40].copy_from_slice(&self.records.to_le_bytes());
+        copy[40..48].copy_from_slice(&self.index_len.to_le_bytes());
+        copy[48..56].copy_from_slice(&self.index_sum.to_le_bytes());
         copy[SUPER_FIXED..SUPER_FIXED + self.identity.len()].copy_from_slice(&self.identity);
-        let sum = header_checksum(&copy[0..40], &self.identity);
-        copy[40..48].copy_from_slice(&sum.to_le_bytes());
+        let sum = header_checksum(&copy[0..56], &self.identity);
+        copy[56..64].copy_from_slice(&sum.to_le_bytes());
     }
 
     /// `Err(Some(version))`: another format version; `Err(None)`: not a valid copy.
@@ -409,13 +430,15 @@ impl Super {
             return Err(None);
         }
         let identity = &copy[SUPER_FIXED..SUPER_FIXED + len];
-        if header_checksum(&copy[0..40], identity) != le_u64(&copy[40..]) {
+        if header_checksum(&copy[0..56], identity) != le_u64(&copy[56..]) {
             return Err(None);
         }
         Ok(Super {
             generation: le_u64(&copy[16..]),
             block_bytes: le_u64(&copy[24..]),
             records: le_u64(&copy[32..]),
+            index_len: le_u64(&copy[40..]),
+            index_sum: le_u64(&copy[48..]),
             identity: identity.to_vec(),
         })
     }
@@ -500,6 +523,8 @@ impl FileStore {
             generation: 1,
             block_bytes: block_bytes as u64,
             records: u64::from(records),
+            index_len: 0,
+            index_sum: 0,
             identity: options.identity.as_bytes().to_vec(),
         };
         report.created = !dir.exists(DATA_FILE).map_err(io_err("stat", &path))?;
@@ -522,16 +547,31 @@ impl FileStore {
         // Records past the end of a file cut short (a truncation) are torn: note where it
         // ends before room is reserved again.
         let found_len = file.len().map_err(io_err("stat", &path))?;
-        // Grow (or restore a file cut short): room first (synced), then, to grow, the
-        // superblock copy not in use, so a crash between them leaves the old, valid count.
+        // Grow (or restore a file cut short): room first (synced), then the superblock.
         Self::reserve(dir, &*file, &path, file_len(block_bytes, records))?;
-        if on_disk_records < records {
-            let grown = Super {
-                generation: on_disk.generation + 1,
-                ..wanted
-            };
-            Self::write_super(&*file, &path, &grown, 1 - slot)?;
+        let index_path = dir.path().join(INDEX_FILE);
+        let index_existed = dir
+            .exists(INDEX_FILE)
+            .map_err(io_err("stat", &index_path))?;
+        let (index_file, _) = dir
+            .open(INDEX_FILE, true, false)
+            .map_err(io_err("open", &index_path))?;
+        if !index_existed {
+            dir.sync().map_err(io_err("create", &index_path))?;
         }
+        let snapshot = if options.verify_at_open || on_disk.index_len == 0 {
+            None
+        } else {
+            Self::read_index(&*index_file, &on_disk)
+        };
+        // Before any write, the superblock copy not in use says the tier is open (the index
+        // file is about to go stale) and, when it grows, the new record count: a crash
+        // before it is synced leaves the old copy, still valid.
+        let current = Super {
+            generation: on_disk.generation + 1,
+            ..wanted
+        };
+        Self::write_super(&*file, &path, &current, 1 - slot)?;
         let mut store = FileStore {
             file,
             path,
@@ -547,19 +587,30 @@ impl FileStore {
             recovered: Vec::new(),
             report: OpenReport::default(),
             corrupt_reads: AtomicU64::new(0),
+            index_file,
+            sup: current,
+            slot: 1 - slot,
+            abandoned: false,
             _lock: lock,
         };
-        store.rebuild(
-            on_disk_records,
-            found_len,
-            options.verify_at_open,
-            &mut report,
-        )?;
+        match snapshot {
+            Some(snapshot) => {
+                report.from_index = true;
+                store.load_index(snapshot, on_disk_records, found_len, &mut report);
+            }
+            None => store.rebuild(
+                on_disk_records,
+                found_len,
+                options.verify_at_open,
+                &mut report,
+            )?,
+        }
         tracing::info!(
             path = %store.path.display(),
             records,
             recovered = report.recovered,
             corrupt = report.corrupt,
+            from_index = report.from_index,
             direct_io,
             fsync = %store.fsync,
             "file tier open"
@@ -729,6 +780,117 @@ impl FileStore {
             .map_err(io_err("write superblock", path))
     }
 
+    /// The clean-close index the superblock names, if it verifies: (key, record, sequence
+    /// number) of each block, and the next sequence number.
+    fn read_index(file: &dyn DataFile, sup: &Super) -> Option<(Vec<(Key, u32, u64)>, u64)> {
+        let mut bytes = vec![0u8; usize::try_from(sup.index_len).ok()?];
+        if !read_full(file, &mut [IoSliceMut::new(&mut bytes)], 0).ok()?
+            || xxhash_rust::xxh3::xxh3_64(&bytes) != sup.index_sum
+            || bytes.len() < 24
+            || &bytes[0..8] != INDEX_MAGIC
+        {
+            tracing::warn!("the clean-close index does not verify; reading every header");
+            return None;
+        }
+        let count = le_u64(&bytes[8..]) as usize;
+        let next_seq = le_u64(&bytes[16..]);
+        let mut at = 24;
+        let mut out = Vec::with_capacity(count.min(1 << 20));
+        let mut seen = BTreeSet::new();
+        for _ in 0..count {
+            let fixed = bytes.get(at..at + 16)?;
+            let (record, len, seq) = (
+                le_u32(fixed),
+                le_u32(&fixed[4..]) as usize,
+                le_u64(&fixed[8..]),
+            );
+            let key = bytes.get(at + 16..at + 16 + len)?;
+            if u64::from(record) >= sup.records
+                || len == 0
+                || len > MAX_KEY_BYTES
+                || !seen.insert(record)
+            {
+                return None;
+            }
+            out.push((Key::new(key), record, seq));
+            at += 16 + len;
+        }
+        Some((out, next_seq))
+    }
+
+    /// The index as a clean close writes it.
+    fn index_bytes(&self) -> Vec<u8> {
+        let index = lock(&self.index);
+        let mut out = Vec::with_capacity(24 + index.records.len() * 64);
+        out.extend_from_slice(INDEX_MAGIC);
+        out.extend_from_slice(&(index.records.len() as u64).to_le_bytes());
+        out.extend_from_slice(&index.seq.to_le_bytes());
+        // Recency order (oldest first) survives as the blocks' order in the index.
+        for (key, &(record, seq)) in index.records.iter() {
+            out.extend_from_slice(&record.to_le_bytes());
+            out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+            out.extend_from_slice(&seq.to_le_bytes());
+            out.extend_from_slice(key.as_bytes());
+        }
+        out
+    }
+
+    /// A clean close: everything synced, the index written and synced, then the superblock
+    /// that names it (so a crash anywhere before leaves a superblock that says "read the
+    /// headers").
+    fn close(&mut self) -> std::io::Result<()> {
+        self.file.sync_data()?;
+        let bytes = self.index_bytes();
+        let n = self.index_file.write_at(&[IoSlice::new(&bytes)], 0)?;
+        Self::whole(n, bytes.len())?;
+        self.index_file.sync_data()?;
+        let closed = Super {
+            generation: self.sup.generation + 1,
+            index_len: bytes.len() as u64,
+            index_sum: xxhash_rust::xxh3::xxh3_64(&bytes),
+            ..self.sup.clone()
+        };
+        Self::write_super(&*self.file, &self.path, &closed, 1 - self.slot)
+            .map_err(std::io::Error::other)
+    }
+
+    /// Closes the tier as a crash would: nothing is synced and no index is written, so the
+    /// next open reads every record header. For tests and benchmarks of recovery.
+    pub fn abandon(mut self) {
+        self.abandoned = true;
+    }
+
+    /// Takes the index from a clean-close snapshot.
+    fn load_index(
+        &mut self,
+        snapshot: (Vec<(Key, u32, u64)>, u64),
+        on_disk: u32,
+        found_len: u64,
+        report: &mut OpenReport,
+    ) {
+        let (mut entries, next_seq) = snapshot;
+        // A file cut short since (a truncation) lost the records past its end.
+        let before = entries.len();
+        entries.retain(|e| {
+            e.1 < on_disk && self.offset(e.1) + record_bytes(self.block_bytes) <= found_len
+        });
+        report.corrupt += before - entries.len();
+        entries.sort_by_key(|e| e.2);
+        let held: BTreeSet<u32> = entries.iter().map(|e| e.1).collect();
+        let free = (0..self.records)
+            .filter(|r| !held.contains(r) || *r >= on_disk)
+            .collect();
+        self.recovered = entries.iter().map(|e| e.0.clone()).collect();
+        report.recovered = entries.len();
+        let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
+        *index = Index {
+            records: entries.into_iter().map(|(k, r, s)| (k, (r, s))).collect(),
+            free,
+            cursor: 0,
+            seq: next_seq,
+        };
+    }
+
     fn offset(&self, record: u32) -> u64 {
         PAGE as u64 + u64::from(record) * record_bytes(self.block_bytes)
     }
@@ -790,7 +952,7 @@ impl FileStore {
         let mut order: Vec<(u64, &Key)> = latest.iter().map(|(k, &(s, _))| (s, k)).collect();
         order.sort();
         self.recovered = order.into_iter().map(|(_, k)| k.clone()).collect();
-        let records = latest.into_iter().map(|(k, (_, r))| (k, r)).collect();
+        let records = latest.into_iter().map(|(k, (s, r))| (k, (r, s))).collect();
         report.recovered = self.recovered.len();
         free.extend(on_disk..self.records);
         let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -881,7 +1043,10 @@ impl FileStore {
 
     /// Where `key`'s record starts in the data file, if it is held (for tests that damage it).
     pub fn record_offset(&self, key: &Key) -> Option<u64> {
-        lock(&self.index).records.get(key).map(|&r| self.offset(r))
+        lock(&self.index)
+            .records
+            .get(key)
+            .map(|&(r, _)| self.offset(r))
     }
 
     /// Makes every write so far durable (`fdatasync`), whatever the policy.
@@ -1038,11 +1203,11 @@ impl SecondaryStore for FileStore {
             }
         }
         let mut index = lock(&self.index);
-        for (&(record, i, _), fail) in todo.iter().zip(failed) {
+        for (&(record, i, seq), fail) in todo.iter().zip(failed) {
             let key = blocks[i].0;
             results[i] = Some(match fail {
                 None if !index.records.contains_key(key) => {
-                    index.records.insert(key.clone(), record);
+                    index.records.insert(key.clone(), (record, seq));
                     Ok(())
                 }
                 None => {
@@ -1094,7 +1259,7 @@ impl SecondaryStore for FileStore {
                     continue;
                 }
                 match index.records.get(*key) {
-                    Some(&r) => items.push((r, i)),
+                    Some(&(r, _)) => items.push((r, i)),
                     None => {
                         results[i] = Some(Err(StoreError::NotFound {
                             key: (*key).clone(),
@@ -1152,7 +1317,7 @@ impl SecondaryStore for FileStore {
 
     fn delete(&self, key: &Key) -> Result<(), StoreError> {
         let mut index = lock(&self.index);
-        if let Some(record) = index.records.remove(key) {
+        if let Some((record, _)) = index.records.remove(key) {
             index.free.insert(record);
         }
         Ok(())
@@ -1176,8 +1341,15 @@ impl SecondaryStore for FileStore {
 
 impl Drop for FileStore {
     fn drop(&mut self) {
-        if let Err(e) = self.file.sync_data() {
-            tracing::warn!(path = %self.path.display(), error = %e, "file tier not synced");
+        if self.abandoned {
+            return;
+        }
+        if let Err(e) = self.close() {
+            tracing::warn!(
+                path = %self.path.display(),
+                error = %e,
+                "file tier not closed cleanly; the next open reads every record header"
+            );
         }
     }
 }
