@@ -2,8 +2,9 @@
 //! - region copies through the host engine vs a plain `memcpy` of the same bytes;
 //! - file tier writes and reads (header, checksum, O_DIRECT) vs raw sequential O_DIRECT IO;
 //! - the file tier's put bandwidth under each fsync policy, for jobs of 1 and 16 blocks;
-//! - opening a 1 GiB file tier: record headers only (the default) vs every payload verified
-//!   (the full scan opening did before), with the page cache dropped before each open.
+//! - opening a 1 GiB file tier after a clean close (its index), after a crash (every record
+//!   header) and verifying every payload (the full scan every open did before), with the page
+//!   cache dropped before each open.
 //!
 //! `cargo bench -p kvtier-hw --bench hw_io`; the figures go to docs/performance.md.
 #![allow(missing_docs)]
@@ -207,7 +208,8 @@ fn drop_cache(path: &std::path::Path) {
     .unwrap();
 }
 
-/// Opening a 1 GiB tier full of blocks: headers only vs every payload verified.
+/// Opening a 1 GiB tier full of blocks: after a clean close (its index), after a crash
+/// (every header) and with every payload verified (the full scan).
 fn open(c: &mut Criterion) {
     let mut g = c.benchmark_group("file_open_1GiB");
     g.sample_size(10);
@@ -227,20 +229,46 @@ fn open(c: &mut Criterion) {
             }
         }
         let data = dir.path().join(kvtier_hw::DATA_FILE);
-        for (name, verify) in [("headers", false), ("full_scan", true)] {
-            let options = FileOptions {
-                verify_at_open: verify,
-                ..FileOptions::default()
-            };
-            g.bench_with_input(BenchmarkId::new(name, block), &block, |b, &block| {
-                b.iter(|| {
-                    drop_cache(&data);
-                    let store =
-                        FileStore::open_with(dir.path(), block, cap, options.clone()).unwrap();
-                    assert_eq!(store.open_report().recovered, blocks);
-                })
-            });
-        }
+        let opened = |options: &FileOptions| {
+            drop_cache(&data);
+            let t = std::time::Instant::now();
+            let store = FileStore::open_with(dir.path(), block, cap, options.clone()).unwrap();
+            let took = t.elapsed();
+            assert_eq!(store.open_report().recovered, blocks);
+            (store, took)
+        };
+        // After a clean close: the index written at close.
+        g.bench_with_input(BenchmarkId::new("clean_close", block), &block, |b, _| {
+            b.iter_custom(|n| {
+                (0..n)
+                    .map(|_| {
+                        let (store, took) = opened(&FileOptions::default());
+                        assert!(store.open_report().from_index);
+                        took
+                    })
+                    .sum()
+            })
+        });
+        // After a crash: every record header.
+        g.bench_with_input(BenchmarkId::new("after_crash", block), &block, |b, _| {
+            b.iter_custom(|n| {
+                (0..n)
+                    .map(|_| {
+                        let (store, took) = opened(&FileOptions::default());
+                        store.abandon();
+                        took
+                    })
+                    .sum()
+            })
+        });
+        // Every payload verified: the full scan every open did before.
+        let verify = FileOptions {
+            verify_at_open: true,
+            ..FileOptions::default()
+        };
+        g.bench_with_input(BenchmarkId::new("full_scan", block), &block, |b, _| {
+            b.iter_custom(|n| (0..n).map(|_| opened(&verify).1).sum())
+        });
     }
     g.finish();
 }

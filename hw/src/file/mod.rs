@@ -205,6 +205,10 @@ pub struct OpenReport {
     pub from_index: bool,
 }
 
+/// A clean-close index: (key, record, sequence number) of each block, and the next sequence
+/// number.
+type Snapshot = (Vec<(Key, u32, u64)>, u64);
+
 /// One record seen at open: its key and sequence number, empty, or why it was dropped.
 type Scanned = (u32, Result<Option<(Key, u64)>, &'static str>);
 
@@ -782,7 +786,7 @@ impl FileStore {
 
     /// The clean-close index the superblock names, if it verifies: (key, record, sequence
     /// number) of each block, and the next sequence number.
-    fn read_index(file: &dyn DataFile, sup: &Super) -> Option<(Vec<(Key, u32, u64)>, u64)> {
+    fn read_index(file: &dyn DataFile, sup: &Super) -> Option<Snapshot> {
         let mut bytes = vec![0u8; usize::try_from(sup.index_len).ok()?];
         if !read_full(file, &mut [IoSliceMut::new(&mut bytes)], 0).ok()?
             || xxhash_rust::xxh3::xxh3_64(&bytes) != sup.index_sum
@@ -863,7 +867,7 @@ impl FileStore {
     /// Takes the index from a clean-close snapshot.
     fn load_index(
         &mut self,
-        snapshot: (Vec<(Key, u32, u64)>, u64),
+        snapshot: Snapshot,
         on_disk: u32,
         found_len: u64,
         report: &mut OpenReport,
