@@ -594,7 +594,8 @@ impl FileStore {
             index_file,
             sup: current,
             slot: 1 - slot,
-            abandoned: false,
+            // Until the index is built, a failed open must not write it at close.
+            abandoned: true,
             _lock: lock,
         };
         match snapshot {
@@ -623,6 +624,7 @@ impl FileStore {
             tracing::warn!(path = %store.path.display(), dropped = report.corrupt, "torn or corrupt records dropped");
         }
         store.report = report;
+        store.abandoned = false;
         Ok(store)
     }
 
