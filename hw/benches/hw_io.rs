@@ -1,6 +1,10 @@
 //! Side-by-side bandwidth of kvtier's IO paths against their raw baselines:
 //! - region copies through the host engine vs a plain `memcpy` of the same bytes;
-//! - file tier writes and reads (header, checksum, O_DIRECT) vs raw sequential O_DIRECT IO.
+//! - file tier writes and reads (header, checksum, O_DIRECT) vs raw sequential O_DIRECT IO;
+//! - the file tier's put bandwidth under each fsync policy, for jobs of 1 and 16 blocks;
+//! - opening a 1 GiB file tier after a clean close (its index), after a crash (every record
+//!   header) and verifying every payload (the full scan every open did before), with the page
+//!   cache dropped before each open.
 //!
 //! `cargo bench -p kvtier-hw --bench hw_io`; the figures go to docs/performance.md.
 #![allow(missing_docs)]
@@ -12,8 +16,8 @@ use std::sync::Arc;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvtier_core::{Key, SlotId};
 use kvtier_hw::{
-    BlockCopy, CopyJob, Direction, FileStore, HostEngine, HostMemory, Layout, PAGE, Queue, Region,
-    SecondaryStore, TransferEngine, TransferId,
+    BlockCopy, CopyJob, Direction, FileOptions, FileStore, FsyncPolicy, HostEngine, HostMemory,
+    Layout, PAGE, Queue, Region, SecondaryStore, TransferEngine, TransferId,
 };
 
 const BLOCKS: usize = 64;
@@ -83,10 +87,15 @@ fn files(c: &mut Criterion) {
     g.sample_size(10);
     let block = 256 << 10;
     let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
-    let store = FileStore::open(
+    // No syncs: the same work as the raw writes it is compared with (see `fsync` below).
+    let store = FileStore::open_with(
         &dir.path().join("tier"),
         block,
         (BLOCKS * (block + PAGE) + PAGE) as u64,
+        FileOptions {
+            fsync: FsyncPolicy::None,
+            ..FileOptions::default()
+        },
     )
     .unwrap();
     let buf = aligned(block);
@@ -101,6 +110,15 @@ fn files(c: &mut Criterion) {
                 store.delete(k).unwrap();
                 store.put(k, &buf).unwrap();
             }
+        })
+    });
+    g.bench_function("store_put_many_64", |b| {
+        b.iter(|| {
+            for k in &keys {
+                store.delete(k).unwrap();
+            }
+            let batch: Vec<(&Key, &[u8])> = keys.iter().map(|k| (k, &buf[..])).collect();
+            assert!(store.put_many(&batch).iter().all(Result::is_ok));
         })
     });
     g.bench_function("store_get", |b| {
@@ -135,5 +153,125 @@ fn files(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, copies, files);
+/// Put bandwidth under each fsync policy: 64 blocks of 256 KiB per iteration, as jobs of 1
+/// block (one `put` each) and of 16 (`put_many`).
+fn fsync(c: &mut Criterion) {
+    let mut g = c.benchmark_group("file_fsync");
+    g.sample_size(10);
+    let block = 256 << 10;
+    let buf = aligned(block);
+    let keys: Vec<Key> = (0..BLOCKS as u64)
+        .map(|i| Key::new(&i.to_le_bytes()))
+        .collect();
+    g.throughput(Throughput::Bytes((BLOCKS * block) as u64));
+    for policy in [FsyncPolicy::None, FsyncPolicy::Batch, FsyncPolicy::Write] {
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        let store = FileStore::open_with(
+            dir.path(),
+            block,
+            (BLOCKS * (block + PAGE) + PAGE) as u64,
+            FileOptions {
+                fsync: policy,
+                ..FileOptions::default()
+            },
+        )
+        .unwrap();
+        for job in [1, 16] {
+            let name = format!("{policy}_job_{job}");
+            g.bench_function(BenchmarkId::new(name, block), |b| {
+                b.iter(|| {
+                    for k in &keys {
+                        store.delete(k).unwrap();
+                    }
+                    for chunk in keys.chunks(job) {
+                        let batch: Vec<(&Key, &[u8])> =
+                            chunk.iter().map(|k| (k, &buf[..])).collect();
+                        assert!(store.put_many(&batch).iter().all(Result::is_ok));
+                    }
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// Drops `path`'s pages from the page cache (what a cold open finds).
+fn drop_cache(path: &std::path::Path) {
+    let f = std::fs::File::open(path).unwrap();
+    f.sync_all().unwrap();
+    nix::fcntl::posix_fadvise(
+        &f,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .unwrap();
+}
+
+/// Opening a 1 GiB tier full of blocks: after a clean close (its index), after a crash
+/// (every header) and with every payload verified (the full scan).
+fn open(c: &mut Criterion) {
+    let mut g = c.benchmark_group("file_open_1GiB");
+    g.sample_size(10);
+    for block in [256usize << 10, 16 << 10] {
+        let blocks = (1usize << 30) / block;
+        let cap = (PAGE + blocks * (PAGE + block)) as u64;
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        {
+            let store = FileStore::open(dir.path(), block, cap).unwrap();
+            let buf = aligned(block);
+            let keys: Vec<Key> = (0..blocks as u64)
+                .map(|i| Key::new(&i.to_le_bytes()))
+                .collect();
+            for chunk in keys.chunks(64) {
+                let batch: Vec<(&Key, &[u8])> = chunk.iter().map(|k| (k, &buf[..])).collect();
+                assert!(store.put_many(&batch).iter().all(Result::is_ok));
+            }
+        }
+        let data = dir.path().join(kvtier_hw::DATA_FILE);
+        let opened = |options: &FileOptions| {
+            drop_cache(&data);
+            let t = std::time::Instant::now();
+            let store = FileStore::open_with(dir.path(), block, cap, options.clone()).unwrap();
+            let took = t.elapsed();
+            assert_eq!(store.open_report().recovered, blocks);
+            (store, took)
+        };
+        // After a clean close: the index written at close.
+        g.bench_with_input(BenchmarkId::new("clean_close", block), &block, |b, _| {
+            b.iter_custom(|n| {
+                (0..n)
+                    .map(|_| {
+                        let (store, took) = opened(&FileOptions::default());
+                        assert!(store.open_report().from_index);
+                        took
+                    })
+                    .sum()
+            })
+        });
+        // After a crash: every record header.
+        g.bench_with_input(BenchmarkId::new("after_crash", block), &block, |b, _| {
+            b.iter_custom(|n| {
+                (0..n)
+                    .map(|_| {
+                        let (store, took) = opened(&FileOptions::default());
+                        store.abandon();
+                        took
+                    })
+                    .sum()
+            })
+        });
+        // Every payload verified: the full scan every open did before.
+        let verify = FileOptions {
+            verify_at_open: true,
+            ..FileOptions::default()
+        };
+        g.bench_with_input(BenchmarkId::new("full_scan", block), &block, |b, _| {
+            b.iter_custom(|n| (0..n).map(|_| opened(&verify).1).sum())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, copies, files, fsync, open);
 criterion_main!(benches);

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{Job, JobKind, JobResult, Outcome, TierId};
+use kvtier_core::{Job, JobKind, JobResult, Key, Outcome, SlotId, TierId};
 
 use crate::engine::{Completion, Completions};
 use crate::queue::Queue;
-use crate::region::Region;
+use crate::region::{Region, RegionError};
 use crate::store::{SecondaryStore, StoreError};
 
 /// What a tier job moved, for the report.
@@ -171,19 +171,59 @@ fn run_job(
     let (path, outcome, bytes) = match &job.kind {
         JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. } => {
             let load = matches!(job.kind, JobKind::Load { .. });
+            // Store: each slot is Ready and pinned by this job (I4); load: each slot is
+            // Promoting for this job (I5). Either way no one else writes the rows, and a
+            // job's slots are distinct, so its rows are borrowed all at once and the store
+            // batches their IO.
+            let slots: Vec<SlotId> = blocks.iter().map(|b| b.slot).collect();
+            let mut sorted = slots.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            let results = if sorted.len() != slots.len() {
+                // Never for a job of the core; a row is not borrowed twice even then.
+                Err(())
+            } else if load {
+                with_rows_mut(region, &slots, Vec::new(), &mut |rows| {
+                    let mut batch: Vec<(&Key, &mut [u8])> = blocks
+                        .iter()
+                        .zip(rows.iter_mut())
+                        .map(|(b, row)| (&b.key, &mut **row))
+                        .collect();
+                    store.get_many(&mut batch)
+                })
+                .map_err(drop)
+            } else {
+                with_rows(region, &slots, Vec::new(), &mut |rows| {
+                    let batch: Vec<(&Key, &[u8])> = blocks
+                        .iter()
+                        .map(|b| &b.key)
+                        .zip(rows.iter().copied())
+                        .collect();
+                    store.put_many(&batch)
+                })
+                .map_err(drop)
+            };
+            let results: Vec<Result<(), StoreError>> = match results {
+                Ok(r) => r,
+                // A slot outside the region (or named twice): each block on its own, so the
+                // others still run.
+                Err(_) => blocks
+                    .iter()
+                    .map(|b| {
+                        let r = if load {
+                            region.with_row_mut(b.slot, |row| store.get(&b.key, row))
+                        } else {
+                            region.with_row(b.slot, |row| store.put(&b.key, row))
+                        };
+                        r.unwrap_or_else(|e| Err(StoreError::BadInput(e.to_string())))
+                    })
+                    .collect(),
+            };
             let mut ok = Vec::with_capacity(blocks.len());
-            for b in blocks.iter() {
-                // Store: the slot is Ready and pinned by this job (I4); load: the slot is
-                // Promoting for this job (I5). Either way no one else writes the row.
-                let r = if load {
-                    region.with_row_mut(b.slot, |row| store.get(&b.key, row))
-                } else {
-                    region.with_row(b.slot, |row| store.put(&b.key, row))
-                };
+            for (b, r) in blocks.iter().zip(results) {
                 match r {
-                    Ok(Ok(())) => ok.push(b.key.clone()),
-                    Ok(Err(e)) => note(e),
-                    Err(e) => note(StoreError::BadInput(e.to_string())),
+                    Ok(()) => ok.push(b.key.clone()),
+                    Err(e) => note(e),
                 }
             }
             let bytes = ok.len() as u64 * row;
@@ -237,5 +277,41 @@ fn run_job(
         elapsed: started.elapsed(),
         service: begun.elapsed(),
         error: error.map(|e| e.to_string()),
+    }
+}
+
+/// Runs `f` on the rows of `slots`, all borrowed at once (`rows` holds the ones borrowed so
+/// far); a region error if a slot is outside the region.
+fn with_rows<R>(
+    region: &Region,
+    slots: &[SlotId],
+    mut rows: Vec<&[u8]>,
+    f: &mut dyn FnMut(&[&[u8]]) -> R,
+) -> Result<R, RegionError> {
+    match slots.split_first() {
+        None => Ok(f(&rows)),
+        Some((&slot, rest)) => region.with_row(slot, |row| {
+            let mut rows: Vec<&[u8]> = std::mem::take(&mut rows);
+            rows.push(row);
+            with_rows(region, rest, rows, f)
+        })?,
+    }
+}
+
+/// Runs `f` on the rows of `slots` (distinct), writable and all borrowed at once; a region
+/// error if a slot is outside the region.
+fn with_rows_mut<R>(
+    region: &Region,
+    slots: &[SlotId],
+    mut rows: Vec<&mut [u8]>,
+    f: &mut dyn FnMut(&mut [&mut [u8]]) -> R,
+) -> Result<R, RegionError> {
+    match slots.split_first() {
+        None => Ok(f(&mut rows)),
+        Some((&slot, rest)) => region.with_row_mut(slot, |row| {
+            let mut rows: Vec<&mut [u8]> = std::mem::take(&mut rows);
+            rows.push(row);
+            with_rows_mut(region, rest, rows, f)
+        })?,
     }
 }

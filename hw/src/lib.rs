@@ -4,7 +4,8 @@
 //! - [`TransferEngine`]: GPU ↔ CPU copies; [`HostEngine`] here, `CudaEngine` with the `cuda`
 //!   feature.
 //! - [`SecondaryStore`]: a tier's block storage; [`FileStore`] is the persistent file tier,
-//!   [`FaultyStore`] injects faults into any store.
+//!   [`FaultyStore`] injects faults into any store; [`crash`] checks the file tier's crash
+//!   consistency against a simulated disk that crashes and tears writes.
 //! - [`Driver`]: owns the core on one thread, drains its effects into the engine and the
 //!   tiers, and feeds completions back.
 //! - [`bench`](mod@bench): the `kvtier bench` workload, trace reader, Belady's optimum and report.
@@ -36,7 +37,10 @@ pub use engine::{
     TransferEngine, TransferId,
 };
 pub use faulty::{FaultCounts, FaultHandle, Faults, FaultyStore};
-pub use file::{DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, MAX_KEY_BYTES, OpenReport};
+pub use file::{
+    DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, FsyncPolicy, INDEX_FILE, LOCK_FILE,
+    MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
+};
 pub use io::{JobPath, TierDone};
 pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};
 pub use queue::{Countdown, Queue};

@@ -59,6 +59,42 @@ pub enum StoreError {
         /// What the configuration asks for.
         expected: String,
     },
+    /// Another open store holds the path (a second tier or process given the same path):
+    /// sharing it would destroy each other's blocks.
+    #[error(
+        "store at {path} is already open in {}; give each tier its own path, or stop the other one first",
+        holder.map_or_else(|| "another tier or process".to_string(), |p| if p == std::process::id() { format!("this process (pid {p}): two tiers share the path") } else { format!("process {p}") })
+    )]
+    Locked {
+        /// The store's files.
+        path: PathBuf,
+        /// The holder's process id, as it wrote it in the lock file.
+        holder: Option<u32>,
+    },
+    /// An existing store holds blocks of another model or KV layout than this configuration.
+    #[error(
+        "store at {path} holds blocks of {found:?}, this configuration is {expected:?}; use another path for another model or layout"
+    )]
+    Identity {
+        /// The store's files.
+        path: PathBuf,
+        /// The identity recorded in the store.
+        found: String,
+        /// The identity asked for.
+        expected: String,
+    },
+    /// An existing store was written in an on-disk format this build does not read.
+    #[error(
+        "store at {path} has on-disk format version {found}, this build reads version {supported} only; remove it (its blocks are a cache) or use another path"
+    )]
+    Version {
+        /// The store's files.
+        path: PathBuf,
+        /// The version found.
+        found: u32,
+        /// The version this build reads and writes.
+        supported: u32,
+    },
     /// An IO call failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -91,6 +127,18 @@ pub trait SecondaryStore: Send + Sync + 'static {
     /// Reads `key` into `block` and verifies it (key, length, checksum): on `Ok` the bytes
     /// are exactly the ones `put` wrote. Called on an IO thread.
     fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError>;
+
+    /// Writes a job's blocks (distinct keys); one result per block, in order, each as `put`
+    /// would answer it. A store that can batch IO overrides it; by default, one `put` each.
+    fn put_many(&self, blocks: &[(&Key, &[u8])]) -> Vec<Result<(), StoreError>> {
+        blocks.iter().map(|(k, b)| self.put(k, b)).collect()
+    }
+
+    /// Reads a job's blocks; one result per block, in order, each as `get` would answer it.
+    /// A store that can batch IO overrides it; by default, one `get` each.
+    fn get_many(&self, blocks: &mut [(&Key, &mut [u8])]) -> Vec<Result<(), StoreError>> {
+        blocks.iter_mut().map(|(k, b)| self.get(k, b)).collect()
+    }
 
     /// Forgets `key`; its room may be reused by the next `put`. Called on the driver thread
     /// in effect order, before any later `put` of the same tier is submitted: it must not

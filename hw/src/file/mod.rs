@@ -1,0 +1,1362 @@
+//! The file tier: a persistent, authoritative secondary store in one data file.
+//!
+//! Layout (all little-endian, every part page-aligned so `O_DIRECT` works):
+//!
+//! ```text
+//! offset 0           superblock page: two copies of 2 KiB, each: magic "KVTIERFS", format
+//!                    version, generation, block bytes, record count, identity length,
+//!                    checksum of the fields and the identity, identity
+//! PAGE + i*record    record i: a header page, then the block (block bytes, page multiple)
+//! header page        magic "KVTBLOCK", format version, key length, payload length,
+//!                    sequence number, payload checksum (xxh3 of the fields, key and payload),
+//!                    header checksum (xxh3 of the fields before it and the key), key
+//! ```
+//!
+//! **Creation is atomic.** A new tier is built under a temporary name in the same directory
+//! (room reserved, superblock written, synced) and published by a rename, then the directory
+//! is synced: a path holds a complete tier or nothing. A temporary left by a creator that died
+//! is removed by the next open.
+//!
+//! **One opener.** An open tier holds an exclusive `flock` on `blocks.kvt.lock` (which names
+//! the holder's process id) for as long as it lives; a second opener, in this process or
+//! another, gets [`StoreError::Locked`].
+//!
+//! **Identity.** The superblock records the block size and an opaque identity given by the
+//! caller (the model and its KV layout); opening with another is [`StoreError::Identity`], so
+//! a tier never serves blocks of another model with the same layout.
+//!
+//! **Opening reads the record headers only** (★6): a record whose header does not verify
+//! (torn by a crash, corrupted on disk) is dropped and counted in [`OpenReport::corrupt`]. The
+//! payload is verified by every read (★1): a payload torn behind a valid header is found at
+//! its first read, fails that read (never served) and is counted in
+//! [`FileStore::corrupt_reads`]. [`FileOptions::verify_at_open`] verifies every payload at open
+//! instead (reading the whole file). A deleted block's record is only forgotten, and reused by
+//! a later write; if the process stops first, the block is found again at the next open,
+//! verified, as if it had never been evicted.
+//!
+//! **Durability** follows [`FsyncPolicy`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{IoSlice, IoSliceMut};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvtier_core::{Key, TierKind};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::region::{PAGE, page_align};
+use crate::store::{SecondaryStore, StoreError};
+use crate::sync::{Mutex, lock};
+
+pub mod crash;
+mod disk;
+mod sim;
+#[cfg(test)]
+mod tests;
+
+use disk::{DataFile, Dir, LockError, RealDir};
+
+const SUPER_MAGIC: &[u8; 8] = b"KVTIERFS";
+const RECORD_MAGIC: &[u8; 8] = b"KVTBLOCK";
+/// The on-disk format version. Version 1 had no identity, no header checksum and one
+/// superblock copy; a version 1 tier is refused with [`StoreError::Version`].
+pub const FORMAT_VERSION: u32 = 2;
+/// Bytes of a record header before the key.
+const HEADER_FIXED: usize = 48;
+/// The longest key a record holds.
+pub const MAX_KEY_BYTES: usize = PAGE - HEADER_FIXED;
+/// Bytes of one superblock copy (two per superblock page).
+const SUPER_COPY: usize = PAGE / 2;
+/// Bytes of a superblock copy before the identity.
+const SUPER_FIXED: usize = 64;
+/// The longest identity a tier records.
+pub const MAX_IDENTITY_BYTES: usize = 1024;
+/// The data file's name inside the tier directory.
+pub const DATA_FILE: &str = "blocks.kvt";
+/// The lock file's name inside the tier directory; it holds the holder's process id.
+pub const LOCK_FILE: &str = "blocks.kvt.lock";
+/// The name a new tier is built under before it is published as [`DATA_FILE`].
+pub const TEMP_FILE: &str = "blocks.kvt.new";
+/// The index written at a clean close, read by the next open instead of every header.
+pub const INDEX_FILE: &str = "blocks.kvt.index";
+const INDEX_MAGIC: &[u8; 8] = b"KVTINDEX";
+/// Records written by one `pwritev` at most (two IO vectors each, under `IOV_MAX`).
+const MAX_RUN: usize = 256;
+
+/// A page of memory aligned for `O_DIRECT`.
+pub(crate) struct PageBuf {
+    buf: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl PageBuf {
+    pub(crate) fn new(len: usize) -> Self {
+        let len = page_align(len.max(1));
+        let buf = vec![0u8; len + PAGE];
+        let off = buf.as_ptr().align_offset(PAGE);
+        PageBuf { buf, off, len }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.len]
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}
+
+/// When the file tier makes what it wrote durable (`fdatasync`), and so which blocks survive a
+/// power loss. A block is **acknowledged durable** once the call named below returned `Ok`
+/// for it: after a power loss the reopened tier serves it, with exactly the bytes stored.
+/// Whatever the policy, a block is never served wrong (★1): a write cut short by a crash is
+/// dropped at open or fails its first read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FsyncPolicy {
+    /// Never sync while open; the OS writes back when it decides (with `O_DIRECT`, as the
+    /// write returns, but the device may still hold it in a volatile cache). Acknowledged
+    /// durable: the blocks held when the tier is closed (dropped) cleanly. A power loss may
+    /// lose any block stored since it was opened.
+    None,
+    /// One `fdatasync` per job: `put_many` (and `put`, a job of one) syncs once after all its
+    /// writes, before it returns; a failed sync fails every block of the call. Acknowledged
+    /// durable: every block `put`/`put_many` returned `Ok` for. The default.
+    #[default]
+    Batch,
+    /// Every write is synced before the call goes on: `put` syncs its block, `put_many` syncs
+    /// each run of adjacent blocks before it writes the next. Acknowledged durable: as for
+    /// `Batch`; besides, a crash in the middle of a job keeps the runs written before it.
+    Write,
+}
+
+impl std::str::FromStr for FsyncPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(FsyncPolicy::None),
+            "batch" => Ok(FsyncPolicy::Batch),
+            "write" => Ok(FsyncPolicy::Write),
+            other => Err(format!(
+                "unknown fsync policy {other:?}: expected \"none\", \"batch\" or \"write\""
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for FsyncPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FsyncPolicy::None => "none",
+            FsyncPolicy::Batch => "batch",
+            FsyncPolicy::Write => "write",
+        })
+    }
+}
+
+/// How a file tier is identified and does its IO.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileOptions {
+    /// Bypass the page cache with `O_DIRECT` (the default; falls back to buffered IO where the
+    /// filesystem refuses it). Buffered IO competes with the primary region for memory.
+    pub direct_io: bool,
+    /// What the blocks are: an opaque string naming the model and its KV cache layout (for
+    /// example `"meta-llama/Llama-3.1-8B-Instruct/bf16/tp1/block16"`), at most
+    /// [`MAX_IDENTITY_BYTES`]. Recorded when the tier is created; opening it with another
+    /// identity is [`StoreError::Identity`]. Empty by default (a tier of unnamed blocks).
+    pub identity: String,
+    /// When writes are made durable.
+    pub fsync: FsyncPolicy,
+    /// Verify every payload at open (reads the whole file) instead of at its first read.
+    pub verify_at_open: bool,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        FileOptions {
+            direct_io: true,
+            identity: String::new(),
+            fsync: FsyncPolicy::default(),
+            verify_at_open: false,
+        }
+    }
+}
+
+/// What opening a file tier found on disk.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpenReport {
+    /// Blocks recovered (their headers verified; payloads too with
+    /// [`FileOptions::verify_at_open`]).
+    pub recovered: usize,
+    /// Records dropped because their header (or, verifying at open, their payload) did not
+    /// verify: torn or corrupt.
+    pub corrupt: usize,
+    /// Older copies of a block found twice (the newest is kept).
+    pub duplicates: usize,
+    /// Whether IO bypasses the page cache (`O_DIRECT`); false where the filesystem refuses it.
+    pub direct_io: bool,
+    /// Whether the data file was created now.
+    pub created: bool,
+    /// Whether a temporary left by a creator that died was removed.
+    pub removed_temporary: bool,
+    /// Whether the index came from the one written at the last clean close (no header was
+    /// read); otherwise every record header was read (after a crash, or verifying at open).
+    pub from_index: bool,
+}
+
+/// A clean-close index: (key, record, sequence number) of each block, and the next sequence
+/// number.
+type Snapshot = (Vec<(Key, u32, u64)>, u64);
+
+/// One record seen at open: its key and sequence number, empty, or why it was dropped.
+type Scanned = (u32, Result<Option<(Key, u64)>, &'static str>);
+
+struct Index {
+    /// Where each block is: its record and sequence number.
+    records: BTreeMap<Key, (u32, u64)>,
+    free: BTreeSet<u32>,
+    /// Where the next allocation looks first (next fit: runs of free records are reused in
+    /// order, so a job's blocks land side by side).
+    cursor: u32,
+    seq: u64,
+}
+
+impl Index {
+    /// The next free record at or after the cursor, wrapping around.
+    fn take(&mut self) -> Option<u32> {
+        let r = self
+            .free
+            .range(self.cursor..)
+            .next()
+            .or_else(|| self.free.iter().next())
+            .copied()?;
+        self.free.remove(&r);
+        self.cursor = r + 1;
+        Some(r)
+    }
+}
+
+/// A persistent file tier.
+pub struct FileStore {
+    file: Box<dyn DataFile>,
+    path: PathBuf,
+    block_bytes: usize,
+    records: u32,
+    fsync: FsyncPolicy,
+    index: Mutex<Index>,
+    recovered: Vec<Key>,
+    report: OpenReport,
+    corrupt_reads: AtomicU64,
+    /// Where a clean close writes the index.
+    index_file: Box<dyn DataFile>,
+    /// The superblock in force, and its copy.
+    sup: Super,
+    slot: usize,
+    /// Closed as a crash would: no sync, no index.
+    abandoned: bool,
+    /// Held for as long as the tier is open; released after the file is closed.
+    _lock: Box<dyn Send + Sync>,
+}
+
+impl std::fmt::Debug for FileStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileStore")
+            .field("path", &self.path)
+            .field("block_bytes", &self.block_bytes)
+            .field("records", &self.records)
+            .field("fsync", &self.fsync)
+            .finish()
+    }
+}
+
+fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
+    move |source| StoreError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn record_bytes(block_bytes: usize) -> u64 {
+    (PAGE + block_bytes) as u64
+}
+
+fn file_len(block_bytes: usize, records: u32) -> u64 {
+    PAGE as u64 + u64::from(records) * record_bytes(block_bytes)
+}
+
+fn checksum(seq: u64, key: &[u8], payload: &[u8]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&FORMAT_VERSION.to_le_bytes());
+    h.update(&(key.len() as u32).to_le_bytes());
+    h.update(&(payload.len() as u64).to_le_bytes());
+    h.update(&seq.to_le_bytes());
+    h.update(key);
+    h.update(payload);
+    h.digest()
+}
+
+fn header_checksum(fixed: &[u8], key: &[u8]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(fixed);
+    h.update(key);
+    h.digest()
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes(b[..4].try_into().expect("4 bytes"))
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
+}
+
+/// Reads `bufs` at `offset` in full: `Ok(false)` when the file ends first.
+fn read_full(
+    file: &dyn DataFile,
+    bufs: &mut [IoSliceMut<'_>],
+    offset: u64,
+) -> std::io::Result<bool> {
+    let want: usize = bufs.iter().map(|b| b.len()).sum();
+    Ok(file.read_at(bufs, offset)? == want)
+}
+
+/// A parsed record header.
+struct Header<'a> {
+    key: &'a [u8],
+    payload_len: u64,
+    seq: u64,
+    checksum: u64,
+}
+
+impl<'a> Header<'a> {
+    fn write(page: &mut [u8], key: &[u8], payload: &[u8], seq: u64) {
+        page.fill(0);
+        page[0..8].copy_from_slice(RECORD_MAGIC);
+        page[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        page[12..16].copy_from_slice(&(key.len() as u32).to_le_bytes());
+        page[16..24].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        page[24..32].copy_from_slice(&seq.to_le_bytes());
+        page[32..40].copy_from_slice(&checksum(seq, key, payload).to_le_bytes());
+        let sum = header_checksum(&page[0..40], key);
+        page[40..48].copy_from_slice(&sum.to_le_bytes());
+        page[HEADER_FIXED..HEADER_FIXED + key.len()].copy_from_slice(key);
+    }
+
+    /// `Ok(None)`: an empty record; `Err`: a header that does not verify.
+    fn parse(page: &'a [u8]) -> Result<Option<Self>, &'static str> {
+        if &page[0..8] != RECORD_MAGIC {
+            return if page[0..8].iter().all(|&b| b == 0) {
+                Ok(None)
+            } else {
+                Err("bad record magic")
+            };
+        }
+        if le_u32(&page[8..]) != FORMAT_VERSION {
+            return Err("unknown record format version");
+        }
+        let key_len = le_u32(&page[12..]) as usize;
+        if key_len == 0 || key_len > MAX_KEY_BYTES {
+            return Err("key length out of range");
+        }
+        let key = &page[HEADER_FIXED..HEADER_FIXED + key_len];
+        if header_checksum(&page[0..40], key) != le_u64(&page[40..]) {
+            return Err("header checksum mismatch");
+        }
+        Ok(Some(Header {
+            key,
+            payload_len: le_u64(&page[16..]),
+            seq: le_u64(&page[24..]),
+            checksum: le_u64(&page[32..]),
+        }))
+    }
+
+    /// ★1: the header names `key`, the payload has the expected length and the checksum holds.
+    fn verify(&self, key: Option<&[u8]>, payload: &[u8]) -> Result<(), &'static str> {
+        if key.is_some_and(|k| k != self.key) {
+            return Err("the record holds another key");
+        }
+        if self.payload_len != payload.len() as u64 {
+            return Err("payload length differs");
+        }
+        if checksum(self.seq, self.key, payload) != self.checksum {
+            return Err("checksum mismatch");
+        }
+        Ok(())
+    }
+}
+
+/// One copy of the superblock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Super {
+    generation: u64,
+    block_bytes: u64,
+    records: u64,
+    /// Bytes of the clean-close index in [`INDEX_FILE`]; 0 while the tier is open (the index
+    /// file is then stale) or after a crash.
+    index_len: u64,
+    /// xxh3 of those bytes.
+    index_sum: u64,
+    identity: Vec<u8>,
+}
+
+impl Super {
+    fn write(&self, copy: &mut [u8]) {
+        copy.fill(0);
+        copy[0..8].copy_from_slice(SUPER_MAGIC);
+        copy[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        copy[12..16].copy_from_slice(&(self.identity.len() as u32).to_le_bytes());
+        copy[16..24].copy_from_slice(&self.generation.to_le_bytes());
+        copy[24..32].copy_from_slice(&self.block_bytes.to_le_bytes());
+        copy[32..40].copy_from_slice(&self.records.to_le_bytes());
+        copy[40..48].copy_from_slice(&self.index_len.to_le_bytes());
+        copy[48..56].copy_from_slice(&self.index_sum.to_le_bytes());
+        copy[SUPER_FIXED..SUPER_FIXED + self.identity.len()].copy_from_slice(&self.identity);
+        let sum = header_checksum(&copy[0..56], &self.identity);
+        copy[56..64].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// `Err(Some(version))`: another format version; `Err(None)`: not a valid copy.
+    fn parse(copy: &[u8]) -> Result<Self, Option<u32>> {
+        if &copy[0..8] != SUPER_MAGIC {
+            return Err(None);
+        }
+        let version = le_u32(&copy[8..]);
+        if version != FORMAT_VERSION {
+            return Err(Some(version));
+        }
+        let len = le_u32(&copy[12..]) as usize;
+        if len > MAX_IDENTITY_BYTES {
+            return Err(None);
+        }
+        let identity = &copy[SUPER_FIXED..SUPER_FIXED + len];
+        if header_checksum(&copy[0..56], identity) != le_u64(&copy[56..]) {
+            return Err(None);
+        }
+        Ok(Super {
+            generation: le_u64(&copy[16..]),
+            block_bytes: le_u64(&copy[24..]),
+            records: le_u64(&copy[32..]),
+            index_len: le_u64(&copy[40..]),
+            index_sum: le_u64(&copy[48..]),
+            identity: identity.to_vec(),
+        })
+    }
+}
+
+impl FileStore {
+    /// Opens (or creates) the file tier in `dir` for blocks of `block_bytes` (a page multiple:
+    /// a primary row) with room for `capacity_bytes`, with the default [`FileOptions`], and
+    /// rebuilds its index from disk.
+    ///
+    /// An existing tier keeps its blocks: opening it with another block size or identity, or
+    /// with less room than it has, is an error rather than a loss.
+    pub fn open(dir: &Path, block_bytes: usize, capacity_bytes: u64) -> Result<Self, StoreError> {
+        Self::open_with(dir, block_bytes, capacity_bytes, FileOptions::default())
+    }
+
+    /// [`open`](Self::open) with options.
+    pub fn open_with(
+        dir: &Path,
+        block_bytes: usize,
+        capacity_bytes: u64,
+        options: FileOptions,
+    ) -> Result<Self, StoreError> {
+        Self::check_options(block_bytes, capacity_bytes, &options)?;
+        std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
+        Self::open_in(&RealDir::new(dir), block_bytes, capacity_bytes, options)
+    }
+
+    /// The record count `capacity_bytes` holds, or why the arguments are refused.
+    fn check_options(
+        block_bytes: usize,
+        capacity_bytes: u64,
+        options: &FileOptions,
+    ) -> Result<u32, StoreError> {
+        if block_bytes == 0 || !block_bytes.is_multiple_of(PAGE) {
+            return Err(StoreError::BadInput(format!(
+                "file tier block bytes must be a positive multiple of {PAGE}, got {block_bytes}"
+            )));
+        }
+        if options.identity.len() > MAX_IDENTITY_BYTES {
+            return Err(StoreError::BadInput(format!(
+                "file tier identity has {} bytes, at most {MAX_IDENTITY_BYTES}",
+                options.identity.len()
+            )));
+        }
+        let records = capacity_bytes.saturating_sub(PAGE as u64) / record_bytes(block_bytes);
+        if records == 0 || records > u64::from(kvtier_core::MAX_BLOCKS) {
+            return Err(StoreError::BadInput(format!(
+                "file tier capacity of {capacity_bytes} bytes holds {records} blocks of {block_bytes} bytes; it needs 1 to {}",
+                kvtier_core::MAX_BLOCKS
+            )));
+        }
+        Ok(records as u32)
+    }
+
+    /// Opens the tier in `dir` (the real directory or a simulated one).
+    fn open_in(
+        dir: &dyn Dir,
+        block_bytes: usize,
+        capacity_bytes: u64,
+        options: FileOptions,
+    ) -> Result<Self, StoreError> {
+        let records = Self::check_options(block_bytes, capacity_bytes, &options)?;
+        let path = dir.path().join(DATA_FILE);
+        let lock = dir.lock(LOCK_FILE).map_err(|e| match e {
+            LockError::Held(holder) => StoreError::Locked {
+                path: path.clone(),
+                holder,
+            },
+            LockError::Io(e) => io_err("lock", &dir.path().join(LOCK_FILE))(e),
+        })?;
+        let mut report = OpenReport::default();
+        // Holding the lock, a temporary is a dead creator's.
+        if dir.exists(TEMP_FILE).map_err(io_err("stat", dir.path()))? {
+            tracing::info!(dir = %dir.path().display(), "removing a tier left half-created");
+            dir.remove(TEMP_FILE)
+                .and_then(|()| dir.sync())
+                .map_err(io_err("remove", &dir.path().join(TEMP_FILE)))?;
+            report.removed_temporary = true;
+        }
+        let wanted = Super {
+            generation: 1,
+            block_bytes: block_bytes as u64,
+            records: u64::from(records),
+            index_len: 0,
+            index_sum: 0,
+            identity: options.identity.as_bytes().to_vec(),
+        };
+        report.created = !dir.exists(DATA_FILE).map_err(io_err("stat", &path))?;
+        if report.created {
+            Self::create(dir, &wanted)?;
+        }
+        let (file, direct_io) = dir
+            .open(DATA_FILE, false, options.direct_io)
+            .map_err(io_err("open", &path))?;
+        report.direct_io = direct_io;
+        let (on_disk, slot) = Self::read_super(&*file, &path, &wanted)?;
+        if on_disk.records > u64::from(records) {
+            return Err(StoreError::Layout {
+                path,
+                found: format!("{} records", on_disk.records),
+                expected: format!("{records} records (a smaller capacity)"),
+            });
+        }
+        let on_disk_records = on_disk.records as u32;
+        // Records past the end of a file cut short (a truncation) are torn: note where it
+        // ends before room is reserved again.
+        let found_len = file.len().map_err(io_err("stat", &path))?;
+        // Grow (or restore a file cut short): room first (synced), then the superblock.
+        Self::reserve(dir, &*file, &path, file_len(block_bytes, records))?;
+        let index_path = dir.path().join(INDEX_FILE);
+        let index_existed = dir
+            .exists(INDEX_FILE)
+            .map_err(io_err("stat", &index_path))?;
+        let (index_file, _) = dir
+            .open(INDEX_FILE, true, false)
+            .map_err(io_err("open", &index_path))?;
+        if !index_existed {
+            dir.sync().map_err(io_err("create", &index_path))?;
+        }
+        let snapshot = if options.verify_at_open || on_disk.index_len == 0 {
+            None
+        } else {
+            Self::read_index(&*index_file, &on_disk)
+        };
+        // Before any write, the superblock copy not in use says the tier is open (the index
+        // file is about to go stale) and, when it grows, the new record count: a crash
+        // before it is synced leaves the old copy, still valid.
+        let current = Super {
+            generation: on_disk.generation + 1,
+            ..wanted
+        };
+        Self::write_super(&*file, &path, &current, 1 - slot)?;
+        let mut store = FileStore {
+            file,
+            path,
+            block_bytes,
+            records,
+            fsync: options.fsync,
+            index: Mutex::new(Index {
+                records: BTreeMap::new(),
+                free: BTreeSet::new(),
+                cursor: 0,
+                seq: 0,
+            }),
+            recovered: Vec::new(),
+            report: OpenReport::default(),
+            corrupt_reads: AtomicU64::new(0),
+            index_file,
+            sup: current,
+            slot: 1 - slot,
+            // Until the index is built, a failed open must not write it at close.
+            abandoned: true,
+            _lock: lock,
+        };
+        match snapshot {
+            Some(snapshot) => {
+                report.from_index = true;
+                store.load_index(snapshot, on_disk_records, found_len, &mut report);
+            }
+            None => store.rebuild(
+                on_disk_records,
+                found_len,
+                options.verify_at_open,
+                &mut report,
+            )?,
+        }
+        tracing::info!(
+            path = %store.path.display(),
+            records,
+            recovered = report.recovered,
+            corrupt = report.corrupt,
+            from_index = report.from_index,
+            direct_io,
+            fsync = %store.fsync,
+            "file tier open"
+        );
+        if report.corrupt > 0 {
+            tracing::warn!(path = %store.path.display(), dropped = report.corrupt, "torn or corrupt records dropped");
+        }
+        store.report = report;
+        store.abandoned = false;
+        Ok(store)
+    }
+
+    /// Builds a new tier under [`TEMP_FILE`] and publishes it as [`DATA_FILE`].
+    fn create(dir: &dyn Dir, sup: &Super) -> Result<(), StoreError> {
+        let temp = dir.path().join(TEMP_FILE);
+        let len = file_len(sup.block_bytes as usize, sup.records as u32);
+        let available = dir.free_bytes().map_err(io_err("statvfs", dir.path()))?;
+        if available < len {
+            return Err(StoreError::NoSpace {
+                path: dir.path().join(DATA_FILE),
+                needed: len,
+                available,
+            });
+        }
+        let built = (|| {
+            let (file, _) = dir
+                .open(TEMP_FILE, true, false)
+                .map_err(io_err("create", &temp))?;
+            Self::reserve(dir, &*file, &temp, len)?;
+            let mut page = PageBuf::new(PAGE);
+            sup.write(&mut page.as_mut_slice()[..SUPER_COPY]);
+            sup.write(&mut page.as_mut_slice()[SUPER_COPY..]);
+            file.write_at(&[IoSlice::new(page.as_slice())], 0)
+                .and_then(|n| Self::whole(n, PAGE))
+                .and_then(|()| file.sync_data())
+                .map_err(io_err("write superblock", &temp))
+        })();
+        if let Err(e) = built {
+            // Leave nothing a later open would misread.
+            let _ = dir.remove(TEMP_FILE);
+            return Err(e);
+        }
+        dir.rename(TEMP_FILE, DATA_FILE)
+            .and_then(|()| dir.sync())
+            .map_err(io_err("publish", &dir.path().join(DATA_FILE)))
+    }
+
+    fn whole(written: usize, want: usize) -> std::io::Result<()> {
+        if written == want {
+            Ok(())
+        } else {
+            Err(std::io::ErrorKind::WriteZero.into())
+        }
+    }
+
+    /// Reserves room for `len` bytes and syncs it, or says there is none.
+    fn reserve(
+        dir: &dyn Dir,
+        file: &dyn DataFile,
+        path: &Path,
+        len: u64,
+    ) -> Result<(), StoreError> {
+        let have = file.len().map_err(io_err("stat", path))?;
+        if have >= len {
+            return Ok(());
+        }
+        let available = dir.free_bytes().map_err(io_err("statvfs", dir.path()))?;
+        if available < len - have {
+            return Err(StoreError::NoSpace {
+                path: path.to_path_buf(),
+                needed: len - have,
+                available,
+            });
+        }
+        file.reserve(len)
+            .and_then(|()| file.sync_data())
+            .map_err(|e| {
+                if e.raw_os_error() == Some(libc::ENOSPC) {
+                    StoreError::NoSpace {
+                        path: path.to_path_buf(),
+                        needed: len - have,
+                        available: dir.free_bytes().unwrap_or(0),
+                    }
+                } else {
+                    io_err("reserve", path)(e)
+                }
+            })
+    }
+
+    /// The valid superblock copy with the highest generation, and its slot; checked against
+    /// what this configuration asks for.
+    fn read_super(
+        file: &dyn DataFile,
+        path: &Path,
+        wanted: &Super,
+    ) -> Result<(Super, usize), StoreError> {
+        let mut page = PageBuf::new(PAGE);
+        if !read_full(file, &mut [IoSliceMut::new(page.as_mut_slice())], 0)
+            .map_err(io_err("read superblock", path))?
+        {
+            return Err(StoreError::Layout {
+                path: path.to_path_buf(),
+                found: "a file shorter than a superblock".into(),
+                expected: "a kvtier file tier".into(),
+            });
+        }
+        let p = page.as_slice();
+        let copies = [
+            Super::parse(&p[..SUPER_COPY]),
+            Super::parse(&p[SUPER_COPY..]),
+        ];
+        let best = copies
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().ok().map(|s| (s.generation, i)))
+            .max();
+        let Some((_, slot)) = best else {
+            // A version 1 superblock: the version field sits where it always did.
+            let version = copies
+                .iter()
+                .find_map(|c| c.as_ref().err().copied().flatten());
+            return Err(match version {
+                Some(found) => StoreError::Version {
+                    path: path.to_path_buf(),
+                    found,
+                    supported: FORMAT_VERSION,
+                },
+                None => StoreError::Layout {
+                    path: path.to_path_buf(),
+                    found: "no valid kvtier superblock".into(),
+                    expected: format!("a kvtier file tier (format {FORMAT_VERSION})"),
+                },
+            });
+        };
+        let [a, b] = copies;
+        let found = if slot == 0 { a } else { b }.expect("the chosen copy is valid");
+        if found.block_bytes != wanted.block_bytes {
+            return Err(StoreError::Layout {
+                path: path.to_path_buf(),
+                found: format!("{}-byte blocks", found.block_bytes),
+                expected: format!("{}-byte blocks", wanted.block_bytes),
+            });
+        }
+        if found.identity != wanted.identity {
+            return Err(StoreError::Identity {
+                path: path.to_path_buf(),
+                found: String::from_utf8_lossy(&found.identity).into_owned(),
+                expected: String::from_utf8_lossy(&wanted.identity).into_owned(),
+            });
+        }
+        Ok((found, slot))
+    }
+
+    /// Writes `sup` into copy `slot` of the superblock page and syncs it.
+    fn write_super(
+        file: &dyn DataFile,
+        path: &Path,
+        sup: &Super,
+        slot: usize,
+    ) -> Result<(), StoreError> {
+        let mut page = PageBuf::new(PAGE);
+        read_full(file, &mut [IoSliceMut::new(page.as_mut_slice())], 0)
+            .map_err(io_err("read superblock", path))?;
+        sup.write(&mut page.as_mut_slice()[slot * SUPER_COPY..(slot + 1) * SUPER_COPY]);
+        file.write_at(&[IoSlice::new(page.as_slice())], 0)
+            .and_then(|n| Self::whole(n, PAGE))
+            .and_then(|()| file.sync_data())
+            .map_err(io_err("write superblock", path))
+    }
+
+    /// The clean-close index the superblock names, if it verifies: (key, record, sequence
+    /// number) of each block, and the next sequence number.
+    fn read_index(file: &dyn DataFile, sup: &Super) -> Option<Snapshot> {
+        let mut bytes = vec![0u8; usize::try_from(sup.index_len).ok()?];
+        if !read_full(file, &mut [IoSliceMut::new(&mut bytes)], 0).ok()?
+            || xxhash_rust::xxh3::xxh3_64(&bytes) != sup.index_sum
+            || bytes.len() < 24
+            || &bytes[0..8] != INDEX_MAGIC
+        {
+            tracing::warn!("the clean-close index does not verify; reading every header");
+            return None;
+        }
+        let count = le_u64(&bytes[8..]) as usize;
+        let next_seq = le_u64(&bytes[16..]);
+        let mut at = 24;
+        let mut out = Vec::with_capacity(count.min(1 << 20));
+        let mut seen = BTreeSet::new();
+        for _ in 0..count {
+            let fixed = bytes.get(at..at + 16)?;
+            let (record, len, seq) = (
+                le_u32(fixed),
+                le_u32(&fixed[4..]) as usize,
+                le_u64(&fixed[8..]),
+            );
+            let key = bytes.get(at + 16..at + 16 + len)?;
+            if u64::from(record) >= sup.records
+                || len == 0
+                || len > MAX_KEY_BYTES
+                || !seen.insert(record)
+            {
+                return None;
+            }
+            out.push((Key::new(key), record, seq));
+            at += 16 + len;
+        }
+        Some((out, next_seq))
+    }
+
+    /// The index as a clean close writes it.
+    fn index_bytes(&self) -> Vec<u8> {
+        let index = lock(&self.index);
+        let mut out = Vec::with_capacity(24 + index.records.len() * 64);
+        out.extend_from_slice(INDEX_MAGIC);
+        out.extend_from_slice(&(index.records.len() as u64).to_le_bytes());
+        out.extend_from_slice(&index.seq.to_le_bytes());
+        // Recency order (oldest first) survives as the blocks' order in the index.
+        for (key, &(record, seq)) in index.records.iter() {
+            out.extend_from_slice(&record.to_le_bytes());
+            out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+            out.extend_from_slice(&seq.to_le_bytes());
+            out.extend_from_slice(key.as_bytes());
+        }
+        out
+    }
+
+    /// A clean close: everything synced, the index written and synced, then the superblock
+    /// that names it (so a crash anywhere before leaves a superblock that says "read the
+    /// headers").
+    fn close(&mut self) -> std::io::Result<()> {
+        self.file.sync_data()?;
+        let bytes = self.index_bytes();
+        let n = self.index_file.write_at(&[IoSlice::new(&bytes)], 0)?;
+        Self::whole(n, bytes.len())?;
+        self.index_file.sync_data()?;
+        let closed = Super {
+            generation: self.sup.generation + 1,
+            index_len: bytes.len() as u64,
+            index_sum: xxhash_rust::xxh3::xxh3_64(&bytes),
+            ..self.sup.clone()
+        };
+        Self::write_super(&*self.file, &self.path, &closed, 1 - self.slot)
+            .map_err(std::io::Error::other)
+    }
+
+    /// Closes the tier as a crash would: nothing is synced and no index is written, so the
+    /// next open reads every record header. For tests and benchmarks of recovery.
+    pub fn abandon(mut self) {
+        self.abandoned = true;
+    }
+
+    /// Takes the index from a clean-close snapshot.
+    fn load_index(
+        &mut self,
+        snapshot: Snapshot,
+        on_disk: u32,
+        found_len: u64,
+        report: &mut OpenReport,
+    ) {
+        let (mut entries, next_seq) = snapshot;
+        // A file cut short since (a truncation) lost the records past its end.
+        let before = entries.len();
+        entries.retain(|e| {
+            e.1 < on_disk && self.offset(e.1) + record_bytes(self.block_bytes) <= found_len
+        });
+        report.corrupt += before - entries.len();
+        entries.sort_by_key(|e| e.2);
+        let held: BTreeSet<u32> = entries.iter().map(|e| e.1).collect();
+        let free = (0..self.records)
+            .filter(|r| !held.contains(r) || *r >= on_disk)
+            .collect();
+        self.recovered = entries.iter().map(|e| e.0.clone()).collect();
+        report.recovered = entries.len();
+        let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
+        *index = Index {
+            records: entries.into_iter().map(|(k, r, s)| (k, (r, s))).collect(),
+            free,
+            cursor: 0,
+            seq: next_seq,
+        };
+    }
+
+    fn offset(&self, record: u32) -> u64 {
+        PAGE as u64 + u64::from(record) * record_bytes(self.block_bytes)
+    }
+
+    /// ★6: rebuilds the index from the first `on_disk` records, on a few threads.
+    fn rebuild(
+        &mut self,
+        on_disk: u32,
+        found_len: u64,
+        verify: bool,
+        report: &mut OpenReport,
+    ) -> Result<(), StoreError> {
+        // Header reads are small and independent: more threads keep the device busy.
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get() * if verify { 2 } else { 8 })
+            .clamp(2, 16) as u32;
+        let per = on_disk.div_ceil(threads).max(1);
+        let this = &*self;
+        let scanned: Vec<Result<Vec<Scanned>, StoreError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..on_disk)
+                .step_by(per as usize)
+                .map(|start| {
+                    s.spawn(move || this.scan(start..(start + per).min(on_disk), found_len, verify))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("scan thread panicked"))
+                .collect()
+        });
+        let mut found: Vec<(u64, Key, u32)> = Vec::new();
+        let mut free = BTreeSet::new();
+        for part in scanned {
+            for (record, outcome) in part? {
+                match outcome {
+                    Ok(Some((key, seq))) => found.push((seq, key, record)),
+                    Ok(None) => {
+                        free.insert(record);
+                    }
+                    Err(reason) => {
+                        tracing::debug!(record, reason, "record dropped at open");
+                        report.corrupt += 1;
+                        free.insert(record);
+                    }
+                }
+            }
+        }
+        found.sort_by_key(|(seq, _, _)| *seq);
+        let mut latest: BTreeMap<Key, (u64, u32)> = BTreeMap::new();
+        let mut seq = 0;
+        for (s, key, record) in found {
+            seq = seq.max(s);
+            if let Some((_, older)) = latest.insert(key, (s, record)) {
+                report.duplicates += 1;
+                free.insert(older);
+            }
+        }
+        // Oldest first, so the core's index starts with the right recency order.
+        let mut order: Vec<(u64, &Key)> = latest.iter().map(|(k, &(s, _))| (s, k)).collect();
+        order.sort();
+        self.recovered = order.into_iter().map(|(_, k)| k.clone()).collect();
+        let records = latest.into_iter().map(|(k, (s, r))| (k, (r, s))).collect();
+        report.recovered = self.recovered.len();
+        free.extend(on_disk..self.records);
+        let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
+        *index = Index {
+            records,
+            free,
+            cursor: 0,
+            seq: seq + 1,
+        };
+        Ok(())
+    }
+
+    fn scan(
+        &self,
+        records: std::ops::Range<u32>,
+        found_len: u64,
+        verify: bool,
+    ) -> Result<Vec<Scanned>, StoreError> {
+        let mut out = Vec::with_capacity(records.len());
+        let mut header = PageBuf::new(PAGE);
+        let mut payload = PageBuf::new(if verify { self.block_bytes } else { PAGE });
+        // A file cut short (a crash while it grew, a truncation) holds torn records.
+        let read = |buf: &mut [u8], offset: u64| {
+            read_full(&*self.file, &mut [IoSliceMut::new(buf)], offset)
+                .map_err(io_err("scan", &self.path))
+        };
+        for r in records {
+            let end = self.offset(r) + record_bytes(self.block_bytes);
+            let outcome = if self.offset(r) >= found_len {
+                // Nothing of it is left: an empty record.
+                Ok(None)
+            } else if end > found_len || !read(header.as_mut_slice(), self.offset(r))? {
+                Err("record cut short")
+            } else {
+                match Header::parse(header.as_slice()) {
+                    Ok(Some(h)) if h.payload_len != self.block_bytes as u64 => {
+                        Err("payload length differs")
+                    }
+                    Ok(Some(h)) if !verify => Ok(Some((Key::new(h.key), h.seq))),
+                    Ok(Some(h)) => {
+                        if read(payload.as_mut_slice(), self.offset(r) + PAGE as u64)? {
+                            h.verify(None, payload.as_slice())
+                                .map(|()| Some((Key::new(h.key), h.seq)))
+                        } else {
+                            Err("record cut short")
+                        }
+                    }
+                    Ok(None) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            };
+            out.push((r, outcome));
+        }
+        Ok(out)
+    }
+
+    /// What opening found.
+    pub fn open_report(&self) -> &OpenReport {
+        &self.report
+    }
+
+    /// Reads that failed verification since the tier was opened (torn or corrupt payloads,
+    /// never served). A payload torn by a crash is found here, at its first read, unless
+    /// [`FileOptions::verify_at_open`] dropped it at open.
+    pub fn corrupt_reads(&self) -> u64 {
+        self.corrupt_reads.load(Ordering::Relaxed)
+    }
+
+    /// The fsync policy in force.
+    pub fn fsync_policy(&self) -> FsyncPolicy {
+        self.fsync
+    }
+
+    /// The data file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Blocks held now.
+    pub fn len(&self) -> usize {
+        lock(&self.index).records.len()
+    }
+
+    /// Whether it holds no block.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where `key`'s record starts in the data file, if it is held (for tests that damage it).
+    pub fn record_offset(&self, key: &Key) -> Option<u64> {
+        lock(&self.index)
+            .records
+            .get(key)
+            .map(|&(r, _)| self.offset(r))
+    }
+
+    /// Makes every write so far durable (`fdatasync`), whatever the policy.
+    pub fn sync(&self) -> Result<(), StoreError> {
+        self.file.sync_data().map_err(io_err("sync", &self.path))
+    }
+
+    fn check_block(&self, key: &Key, len: usize) -> Result<(), StoreError> {
+        if len != self.block_bytes {
+            return Err(StoreError::BadInput(format!(
+                "block {key} has {len} bytes, the tier stores {}",
+                self.block_bytes
+            )));
+        }
+        if key.len() > MAX_KEY_BYTES || key.is_empty() {
+            return Err(StoreError::BadInput(format!(
+                "key {key} has {} bytes, at most {MAX_KEY_BYTES}",
+                key.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes one run of blocks into adjacent records starting at `first` with one `pwritev`.
+    fn write_run(&self, first: u32, headers: &[u8], blocks: &[&[u8]]) -> std::io::Result<()> {
+        let mut iov = Vec::with_capacity(2 * blocks.len());
+        for (i, b) in blocks.iter().enumerate() {
+            iov.push(IoSlice::new(&headers[i * PAGE..(i + 1) * PAGE]));
+            iov.push(IoSlice::new(b));
+        }
+        let n = self.file.write_at(&iov, self.offset(first))?;
+        Self::whole(n, blocks.len() * (PAGE + self.block_bytes))?;
+        if self.fsync == FsyncPolicy::Write {
+            self.file.sync_data()?;
+        }
+        Ok(())
+    }
+
+    fn corrupt(&self, key: &Key, reason: &'static str) -> StoreError {
+        self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(path = %self.path.display(), %key, reason, "a read failed verification");
+        StoreError::Corrupt {
+            key: key.clone(),
+            reason,
+        }
+    }
+}
+
+/// Splits `records` (sorted) into runs of adjacent records, at most [`MAX_RUN`] each.
+fn runs(records: &[u32]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=records.len() {
+        if i == records.len() || records[i] != records[i - 1] + 1 || i - start == MAX_RUN {
+            out.push(start..i);
+            start = i;
+        }
+    }
+    out
+}
+
+impl SecondaryStore for FileStore {
+    fn name(&self) -> &str {
+        "file"
+    }
+
+    fn kind(&self) -> TierKind {
+        TierKind::Authoritative
+    }
+
+    fn capacity_blocks(&self) -> u32 {
+        self.records
+    }
+
+    fn put(&self, key: &Key, block: &[u8]) -> Result<(), StoreError> {
+        self.put_many(&[(key, block)])
+            .pop()
+            .expect("one result per block")
+    }
+
+    /// Writes the blocks into adjacent free records where there are, one `pwritev` per run
+    /// of adjacent records, then syncs as [`FsyncPolicy`] says.
+    fn put_many(&self, blocks: &[(&Key, &[u8])]) -> Vec<Result<(), StoreError>> {
+        let mut results: Vec<Option<Result<(), StoreError>>> = blocks
+            .iter()
+            .map(|(k, b)| self.check_block(k, b.len()).err().map(Err))
+            .collect();
+        // (record, position, sequence number) of each block to write.
+        let mut todo: Vec<(u32, usize, u64)> = Vec::with_capacity(blocks.len());
+        {
+            let mut index = lock(&self.index);
+            let mut seen = BTreeSet::new();
+            for (i, (key, _)) in blocks.iter().enumerate() {
+                if results[i].is_some() {
+                    continue;
+                }
+                if index.records.contains_key(*key) || !seen.insert(*key) {
+                    results[i] = Some(Ok(()));
+                    continue;
+                }
+                match index.take() {
+                    Some(r) => {
+                        index.seq += 1;
+                        todo.push((r, i, index.seq));
+                    }
+                    None => {
+                        results[i] = Some(Err(StoreError::Full {
+                            key: (*key).clone(),
+                        }))
+                    }
+                }
+            }
+        }
+        todo.sort_unstable();
+        // O_DIRECT needs aligned memory: primary rows are; anything else goes through a copy.
+        let bounced: Vec<Option<PageBuf>> = todo
+            .iter()
+            .map(|&(_, i, _)| {
+                let b = blocks[i].1;
+                (b.as_ptr().align_offset(PAGE) != 0).then(|| {
+                    let mut c = PageBuf::new(b.len());
+                    c.as_mut_slice().copy_from_slice(b);
+                    c
+                })
+            })
+            .collect();
+        let payload = |n: usize| -> &[u8] {
+            bounced[n]
+                .as_ref()
+                .map_or(blocks[todo[n].1].1, PageBuf::as_slice)
+        };
+        let mut headers = PageBuf::new(todo.len() * PAGE);
+        for (n, &(_, i, seq)) in todo.iter().enumerate() {
+            let page = &mut headers.as_mut_slice()[n * PAGE..(n + 1) * PAGE];
+            Header::write(page, blocks[i].0.as_bytes(), payload(n), seq);
+        }
+        let items: Vec<u32> = todo.iter().map(|t| t.0).collect();
+        let mut failed: Vec<Option<std::io::Error>> = todo.iter().map(|_| None).collect();
+        for run in runs(&items) {
+            let data: Vec<&[u8]> = run.clone().map(payload).collect();
+            let hdr = &headers.as_slice()[run.start * PAGE..run.end * PAGE];
+            if let Err(e) = self.write_run(items[run.start], hdr, &data) {
+                for n in run {
+                    failed[n] = Some(std::io::Error::new(e.kind(), e.to_string()));
+                }
+            }
+        }
+        if self.fsync == FsyncPolicy::Batch
+            && failed.iter().any(Option::is_none)
+            && let Err(e) = self.file.sync_data()
+        {
+            // What was written may not be durable: none of it is acknowledged.
+            for f in failed.iter_mut().filter(|f| f.is_none()) {
+                *f = Some(std::io::Error::new(e.kind(), format!("sync: {e}")));
+            }
+        }
+        let mut index = lock(&self.index);
+        for (&(record, i, seq), fail) in todo.iter().zip(failed) {
+            let key = blocks[i].0;
+            results[i] = Some(match fail {
+                None if !index.records.contains_key(key) => {
+                    index.records.insert(key.clone(), (record, seq));
+                    Ok(())
+                }
+                None => {
+                    // Stored meanwhile by another job: keep that one.
+                    index.free.insert(record);
+                    Ok(())
+                }
+                Some(e) => {
+                    index.free.insert(record);
+                    Err(io_err("write", &self.path)(e))
+                }
+            });
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every block has a result"))
+            .collect()
+    }
+
+    fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError> {
+        self.get_many(&mut [(key, block)])
+            .pop()
+            .expect("one result per block")
+    }
+
+    /// Reads the blocks with one `preadv` per run of adjacent records and verifies each.
+    fn get_many(&self, blocks: &mut [(&Key, &mut [u8])]) -> Vec<Result<(), StoreError>> {
+        let mut results: Vec<Option<Result<(), StoreError>>> = blocks
+            .iter()
+            .map(|(k, b)| self.check_block(k, b.len()).err().map(Err))
+            .collect();
+        for (i, (key, block)) in blocks.iter_mut().enumerate() {
+            if results[i].is_none() && block.as_ptr().align_offset(PAGE) != 0 {
+                // O_DIRECT needs aligned memory: read into an aligned copy.
+                let mut b = PageBuf::new(block.len());
+                let r = self.get(key, b.as_mut_slice());
+                if r.is_ok() {
+                    block.copy_from_slice(b.as_slice());
+                }
+                results[i] = Some(r);
+            }
+        }
+        let keys: Vec<&Key> = blocks.iter().map(|b| b.0).collect();
+        let mut items: Vec<(u32, usize)> = Vec::with_capacity(blocks.len());
+        {
+            let index = lock(&self.index);
+            for (i, key) in keys.iter().enumerate() {
+                if results[i].is_some() {
+                    continue;
+                }
+                match index.records.get(*key) {
+                    Some(&(r, _)) => items.push((r, i)),
+                    None => {
+                        results[i] = Some(Err(StoreError::NotFound {
+                            key: (*key).clone(),
+                        }))
+                    }
+                }
+            }
+        }
+        items.sort_unstable();
+        let records: Vec<u32> = items.iter().map(|t| t.0).collect();
+        let mut bufs: Vec<&mut [u8]> = blocks.iter_mut().map(|(_, b)| &mut **b).collect();
+        let mut headers = PageBuf::new(items.len() * PAGE);
+        for run in runs(&records) {
+            let mut hdrs: Vec<&mut [u8]> = headers.as_mut_slice()[run.start * PAGE..run.end * PAGE]
+                .chunks_mut(PAGE)
+                .collect();
+            let mut taken: Vec<&mut [u8]> = items[run.clone()]
+                .iter()
+                .map(|&(_, i)| std::mem::take(&mut bufs[i]))
+                .collect();
+            let read = {
+                let mut iov: Vec<IoSliceMut<'_>> = hdrs
+                    .iter_mut()
+                    .zip(taken.iter_mut())
+                    .flat_map(|(h, b)| [IoSliceMut::new(h), IoSliceMut::new(b)])
+                    .collect();
+                read_full(&*self.file, &mut iov, self.offset(records[run.start]))
+            };
+            for ((h, b), &(_, i)) in hdrs.iter().zip(&taken).zip(&items[run.clone()]) {
+                let key = keys[i];
+                results[i] = Some(match &read {
+                    Err(e) => Err(io_err("read", &self.path)(std::io::Error::new(
+                        e.kind(),
+                        e.to_string(),
+                    ))),
+                    Ok(false) => Err(self.corrupt(key, "short read")),
+                    Ok(true) => match Header::parse(h) {
+                        Err(reason) => Err(self.corrupt(key, reason)),
+                        Ok(None) => Err(self.corrupt(key, "the record is empty")),
+                        Ok(Some(hd)) => hd
+                            .verify(Some(key.as_bytes()), b)
+                            .map_err(|reason| self.corrupt(key, reason)),
+                    },
+                });
+            }
+            for (b, &(_, i)) in taken.into_iter().zip(&items[run]) {
+                bufs[i] = b;
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every block has a result"))
+            .collect()
+    }
+
+    fn delete(&self, key: &Key) -> Result<(), StoreError> {
+        let mut index = lock(&self.index);
+        if let Some((record, _)) = index.records.remove(key) {
+            index.free.insert(record);
+        }
+        Ok(())
+    }
+
+    fn contains(&self, key: &Key) -> Result<bool, StoreError> {
+        Ok(lock(&self.index).records.contains_key(key))
+    }
+
+    fn check(&self) -> Result<(), StoreError> {
+        let mut page = PageBuf::new(PAGE);
+        read_full(&*self.file, &mut [IoSliceMut::new(page.as_mut_slice())], 0)
+            .map_err(io_err("health check", &self.path))
+            .map(drop)
+    }
+
+    fn recovered(&self) -> Vec<Key> {
+        self.recovered.clone()
+    }
+}
+
+impl Drop for FileStore {
+    fn drop(&mut self) {
+        if self.abandoned {
+            return;
+        }
+        if let Err(e) = self.close() {
+            tracing::warn!(
+                path = %self.path.display(),
+                error = %e,
+                "file tier not closed cleanly; the next open reads every record header"
+            );
+        }
+    }
+}
