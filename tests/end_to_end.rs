@@ -41,21 +41,21 @@ fn open_store(dir: &Path) -> Arc<FileStore> {
 }
 
 fn rig(dir: &Path, store: Arc<dyn SecondaryStore>) -> Rig {
-    rig_with(dir, vec![store], DriverOptions::default(), |_| {})
+    rig_with(dir, vec![store], DriverOptions::default(), |_, _| {})
 }
 
-/// A rig over `stores`; `tune` sees the host engine before the driver owns it.
+/// A rig over `stores`; `tune` sees the host engine and the core's configuration before the
+/// driver owns them.
 fn rig_with(
     dir: &Path,
     stores: Vec<Arc<dyn SecondaryStore>>,
     options: DriverOptions,
-    tune: impl FnOnce(&HostEngine),
+    tune: impl FnOnce(&HostEngine, &mut Config),
 ) -> Rig {
     let layout = Layout::new(SLOTS, 1, BLOCK).unwrap();
     let region = Arc::new(Region::create(&dir.join("region"), layout, 2).expect("region"));
     let device = Arc::new(HostMemory::new(DEVICE_BLOCKS * BLOCK).unwrap());
     let engine = HostEngine::new(region.clone(), device.clone(), 0, 2);
-    tune(&engine);
     let mut config = Config::new(SLOTS);
     config.tiers = stores
         .iter()
@@ -64,6 +64,7 @@ fn rig_with(
     config.health.failures_to_down = 2;
     config.health.probe_interval_steps = 3;
     config.promotion_cooldown_steps = 4;
+    tune(&engine, &mut config);
     let driver =
         Driver::new(config, region, Box::new(engine), stores, options).expect("driver starts");
     Rig { driver, device }
@@ -433,8 +434,9 @@ fn direct_and_buffered_io_agree() {
 #[test]
 fn shutdown_counts_cascades_started_while_it_waits() {
     let dir = tempfile::tempdir().unwrap();
+    // The copy ends well within the timeout; the cascades it starts take far longer.
     let slow = Faults {
-        put_delay: Some(std::time::Duration::from_millis(600)),
+        put_delay: Some(std::time::Duration::from_secs(20)),
         ..Faults::default()
     };
     let (a, fa) = faulty(&dir.path().join("a"));
@@ -442,10 +444,10 @@ fn shutdown_counts_cascades_started_while_it_waits() {
     fa.set(slow.clone());
     fb.set(slow);
     let options = DriverOptions {
-        shutdown_timeout: std::time::Duration::from_millis(100),
+        shutdown_timeout: std::time::Duration::from_secs(2),
         ..DriverOptions::default()
     };
-    let mut r = rig_with(dir.path(), vec![a, b], options, |_| {});
+    let mut r = rig_with(dir.path(), vec![a, b], options, |_, _| {});
     let k = key(1);
     r.device.write(0, &content(&k)).unwrap();
     let t = r.driver.store(RequestId(1), &[(k, 0)]).unwrap();
@@ -466,61 +468,88 @@ fn shutdown_counts_cascades_started_while_it_waits() {
 /// nothing waits forever, and the tier serves again once the fault is gone.
 #[test]
 fn a_panicking_store_fails_its_jobs_and_the_tier_lives_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, faults) = faulty(dir.path());
-    let mut r = rig(dir.path(), store);
-    faults.set(Faults {
-        panic: true,
-        ..Faults::default()
-    });
-    // More panics than the tier has IO threads: threads that died would leave jobs unrun.
-    for i in 0..6 {
-        r.store(&key(i), i as usize);
+    within(60, || {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, faults) = faulty(dir.path());
+        // One IO thread and a tier that stays Up: every cascade panics on the same thread,
+        // which would leave the rest unrun if a panic ended it.
+        let options = DriverOptions {
+            io_threads_per_tier: 1,
+            ..DriverOptions::default()
+        };
+        let mut r = rig_with(dir.path(), vec![store], options, |_, config| {
+            config.health.failures_to_down = 100;
+        });
+        faults.set(Faults {
+            panic: true,
+            ..Faults::default()
+        });
+        for i in 0..5 {
+            r.store(&key(i), i as usize);
+            r.driver.settle(2);
+        }
+        let stats = r.driver.manager().stats();
+        assert_eq!(stats.tiers[0].1.write_failures, 5, "{stats:?}");
+        assert_eq!(r.driver.in_flight(), 0);
+        assert_eq!(r.driver.manager().outstanding_jobs().count(), 0);
+        faults.set(Faults::default());
+        r.store(&key(10), 10);
         r.driver.settle(2);
+        let tier = r.driver.manager().tier(kvtier_core::TierId(0)).unwrap();
+        assert!(
+            tier.state_of(&key(10)).is_some(),
+            "the thread serves new cascades"
+        );
+        r.driver.manager().check_invariants().unwrap();
+        let report = r.driver.shutdown();
+        assert_eq!(report.abandoned, 0);
+    });
+}
+
+/// Runs `f`, failing the test if it takes more than `secs` seconds (a job that never ends
+/// would otherwise hang the test instead of failing it).
+fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(()) => t.join().unwrap(),
+        // The closure panicked: report its panic.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            std::panic::resume_unwind(t.join().unwrap_err())
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("did not finish within {secs} s: a job never reported")
+        }
     }
-    let stats = r.driver.manager().stats();
-    assert!(stats.tiers[0].1.write_failures >= 2, "{stats:?}");
-    assert_eq!(r.driver.in_flight(), 0);
-    assert_eq!(r.driver.manager().outstanding_jobs().count(), 0);
-    faults.set(Faults::default());
-    for _ in 0..8 {
-        r.driver.settle(1);
-    }
-    assert_eq!(r.driver.manager().stats().tiers[0].0, Health::Up);
-    r.store(&key(10), 10);
-    r.driver.settle(2);
-    let tier = r.driver.manager().tier(kvtier_core::TierId(0)).unwrap();
-    assert!(
-        tier.state_of(&key(10)).is_some(),
-        "the threads serve new cascades"
-    );
-    r.driver.manager().check_invariants().unwrap();
-    let report = r.driver.shutdown();
-    assert_eq!(report.abandoned, 0);
 }
 
 /// P9, P13: a copy thread that panics ends its transfer as failed: the store's Pending slot
 /// goes back, a load's pins are released, and the engine copies the next job.
 #[test]
 fn a_panicking_copy_fails_its_transfer() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store(&dir.path().join("tier"));
-    let mut r = rig_with(
-        dir.path(),
-        vec![store],
-        DriverOptions::default(),
-        |engine| engine.inject_copy_panics(1),
-    );
-    let k = key(1);
-    r.device.write(0, &content(&k)).unwrap();
-    let t = r.driver.store(RequestId(1), &[(k.clone(), 0)]).unwrap();
-    let err = r.driver.wait(t.unwrap()).unwrap_err();
-    assert!(err.to_string().contains("panicked"), "{err}");
-    assert!(r.driver.manager().primary().state_of(&k).is_none());
-    r.store(&k, 0);
-    assert_eq!(r.lookup(&k), Lookup::Hit);
-    assert_eq!(r.load(&k, 5), content(&k));
-    r.driver.manager().check_invariants().unwrap();
+    within(60, || {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store(&dir.path().join("tier"));
+        let mut r = rig_with(
+            dir.path(),
+            vec![store],
+            DriverOptions::default(),
+            |engine, _| engine.inject_copy_panics(1),
+        );
+        let k = key(1);
+        r.device.write(0, &content(&k)).unwrap();
+        let t = r.driver.store(RequestId(1), &[(k.clone(), 0)]).unwrap();
+        let err = r.driver.wait(t.unwrap()).unwrap_err();
+        assert!(err.to_string().contains("panicked"), "{err}");
+        assert!(r.driver.manager().primary().state_of(&k).is_none());
+        r.store(&k, 0);
+        assert_eq!(r.lookup(&k), Lookup::Hit);
+        assert_eq!(r.load(&k, 5), content(&k));
+        r.driver.manager().check_invariants().unwrap();
+    });
 }
 
 /// Transfers nobody waits for do not grow the driver: past the bound the oldest result is
@@ -536,7 +565,7 @@ fn results_nobody_waits_for_are_bounded() {
         dir.path(),
         vec![open_store(&dir.path().join("tier"))],
         options,
-        |_| {},
+        |_, _| {},
     );
     let mut ids = Vec::new();
     for i in 0..4 {
@@ -551,4 +580,36 @@ fn results_nobody_waits_for_are_bounded() {
     assert!(matches!(err, kvtier_hw::HwError::ResultDropped(0)), "{err}");
     r.driver.wait(ids[3]).unwrap();
     assert_eq!(r.driver.kept_results(), 1);
+}
+
+/// M10: after a timed-out shutdown, tier jobs still queued are dropped unrun: the core has let
+/// their slots go, so they must not touch them.
+#[test]
+fn shutdown_drops_queued_jobs_unrun() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, faults) = faulty(dir.path());
+    faults.set(Faults {
+        put_delay: Some(std::time::Duration::from_millis(500)),
+        ..Faults::default()
+    });
+    let options = DriverOptions {
+        io_threads_per_tier: 1,
+        shutdown_timeout: std::time::Duration::from_millis(100),
+        ..DriverOptions::default()
+    };
+    let mut r = rig_with(dir.path(), vec![store], options, |_, config| {
+        config.health.failures_to_down = 100;
+    });
+    for i in 0..3 {
+        r.store(&key(i), i as usize);
+    }
+    r.driver.poll(); // the copies' ends start the three cascades
+    let report = r.driver.shutdown();
+    assert_eq!(report.abandoned, 3, "{report:?}");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(
+        faults.counts().puts <= 1,
+        "only the cascade already running may write; the queued ones never run: {:?}",
+        faults.counts()
+    );
 }

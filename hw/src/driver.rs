@@ -5,7 +5,7 @@
 //! [`Completion`]s onto one queue, which the driver drains and hands to the core. This is
 //! quinn's connection driver and str0m's run loop, with jobs instead of packets.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,9 +28,10 @@ pub struct DriverOptions {
     pub io_threads_per_tier: usize,
     /// How long `shutdown` waits for IO in flight before ending the remaining jobs as failed.
     pub shutdown_timeout: Duration,
-    /// How many ended transfers' results are kept for [`Driver::wait`]. A caller that never
-    /// waits for some transfers does not make the driver grow: past this bound the oldest
-    /// result is dropped, and waiting for it answers [`HwError::ResultDropped`].
+    /// How many ended transfers' results are kept for [`Driver::wait`] (at least 1). A caller
+    /// that never waits for some transfers does not make the driver grow: past this bound the
+    /// result that ended first is dropped (never the one a `wait` is waiting for), and waiting
+    /// for it answers [`HwError::ResultDropped`].
     pub kept_results: usize,
 }
 
@@ -58,7 +59,8 @@ pub struct ShutdownReport {
     pub drained: u64,
     /// Core jobs ended as failed by the shutdown (never reported by their tier in time).
     pub ended_failed: u64,
-    /// IO still running when the timeout passed (its threads were left to finish alone).
+    /// IO still in flight when the timeout passed: jobs running were left to finish alone,
+    /// jobs still queued were dropped unrun.
     pub abandoned: u64,
 }
 
@@ -71,6 +73,10 @@ pub struct Driver {
     done: Completions,
     transfers: BTreeMap<TransferId, PendingTransfer>,
     finished: BTreeMap<TransferId, Result<(), EngineError>>,
+    /// The ids in `finished`, in the order their transfers ended (some may be taken already).
+    ended: VecDeque<TransferId>,
+    /// The transfer a `wait` is waiting for: its result is never dropped.
+    awaited: Option<TransferId>,
     next_transfer: u64,
     jobs_in_flight: usize,
     /// Completions applied so far (transfers and tier jobs).
@@ -104,6 +110,11 @@ impl Driver {
         stores: Vec<Arc<dyn SecondaryStore>>,
         options: DriverOptions,
     ) -> Result<Self, HwError> {
+        if options.kept_results == 0 {
+            return Err(HwError::Setup(
+                "kept_results must be at least 1: a transfer's result must outlive its end until wait takes it".into(),
+            ));
+        }
         if config.num_blocks != region.layout().rows {
             return Err(HwError::Setup(format!(
                 "the core has {} primary slots but the region has {} rows",
@@ -156,8 +167,9 @@ impl Driver {
                     done.clone(),
                     options.io_threads_per_tier,
                 )
+                .map_err(|e| HwError::Setup(format!("cannot start tier {i}'s IO threads: {e}")))
             })
-            .collect();
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Driver {
             manager,
             region,
@@ -166,6 +178,8 @@ impl Driver {
             done,
             transfers: BTreeMap::new(),
             finished: BTreeMap::new(),
+            ended: VecDeque::new(),
+            awaited: None,
             next_transfer: 0,
             jobs_in_flight: 0,
             applied: 0,
@@ -301,19 +315,22 @@ impl Driver {
     /// Waits until transfer `id` ends, applying every completion that arrives meanwhile, and
     /// takes its result. Only the last [`DriverOptions::kept_results`] results are kept.
     pub fn wait(&mut self, id: TransferId) -> Result<(), HwError> {
-        loop {
+        self.awaited = Some(id);
+        let result = loop {
             if let Some(r) = self.finished.remove(&id) {
-                return r.map_err(HwError::from);
+                break r.map_err(HwError::from);
             }
             if !self.transfers.contains_key(&id) {
-                return Err(if id.0 < self.next_transfer {
+                break Err(if id.0 < self.next_transfer {
                     HwError::ResultDropped(id.0)
                 } else {
                     HwError::Setup(format!("unknown transfer {}", id.0))
                 });
             }
             self.wait_any(Duration::from_millis(100));
-        }
+        };
+        self.awaited = None;
+        result
     }
 
     /// Results of ended transfers that nobody has waited for yet.
@@ -383,14 +400,36 @@ impl Driver {
                         .expect("a load's own pins are held until its completion"),
                 }
                 self.finished.insert(id, result);
-                while self.finished.len() > self.options.kept_results {
-                    if let Some((old, _)) = self.finished.pop_first() {
-                        tracing::debug!(transfer = old.0, "result nobody waited for dropped");
-                    }
-                }
+                self.ended.push_back(id);
+                self.drop_old_results();
                 self.pump();
             }
             Completion::Tier(d) => self.apply_tier(d),
+        }
+    }
+
+    /// Keeps at most `kept_results` results, dropping those that ended first, never the one
+    /// being waited for.
+    fn drop_old_results(&mut self) {
+        let mut kept = None;
+        while self.finished.len() > self.options.kept_results {
+            let Some(old) = self.ended.pop_front() else {
+                break;
+            };
+            if Some(old) == self.awaited {
+                kept = Some(old);
+            } else if self.finished.remove(&old).is_some() {
+                tracing::debug!(transfer = old.0, "result nobody waited for dropped");
+            }
+        }
+        if let Some(id) = kept {
+            self.ended.push_front(id);
+        }
+        // Ids whose results `wait` already took stay in `ended` until here: drop them once
+        // they outnumber the kept results, so the order stays as bounded as the results.
+        if self.ended.len() > 2 * self.finished.len() + 16 {
+            let finished = &self.finished;
+            self.ended.retain(|id| finished.contains_key(id));
         }
     }
 
@@ -479,8 +518,9 @@ impl Driver {
         }
         self.closed = true;
         let applied = self.applied;
-        let deadline = Instant::now() + self.options.shutdown_timeout;
-        while self.in_flight() > 0 && Instant::now() < deadline {
+        // No deadline for a timeout too long to add to the clock: wait as long as it takes.
+        let deadline = Instant::now().checked_add(self.options.shutdown_timeout);
+        while self.in_flight() > 0 && deadline.is_none_or(|d| Instant::now() < d) {
             self.wait_any(Duration::from_millis(50));
         }
         let abandoned = self.in_flight() as u64;
@@ -489,11 +529,12 @@ impl Driver {
             .outstanding_jobs()
             .filter(|j| !self.manager.is_reported(j.id))
             .count() as u64;
-        self.manager.shutdown();
+        // Queued jobs are dropped before the core lets their slots go.
         let mut handles = Vec::new();
         for t in &mut self.tiers {
             handles.extend(t.stop());
         }
+        self.manager.shutdown();
         self.done.close();
         if abandoned == 0 {
             for h in handles {

@@ -8,7 +8,7 @@ use kvtier_core::{Job, JobKind, JobResult, Key, Outcome, SlotId, TierId};
 
 use crate::engine::{Completion, Completions};
 use crate::queue::Queue;
-use crate::region::{Region, RegionError};
+use crate::region::Region;
 use crate::store::{SecondaryStore, StoreError};
 
 /// What a tier job moved, for the report.
@@ -55,7 +55,7 @@ impl TierIo {
         region: Arc<Region>,
         done: Completions,
         threads: usize,
-    ) -> Self {
+    ) -> std::io::Result<Self> {
         let jobs: Arc<Queue<(Job, Instant)>> = Arc::new(Queue::new());
         let threads = (0..threads.max(1))
             .map(|i| {
@@ -69,14 +69,20 @@ impl TierIo {
                             let _ = done.push(Completion::Tier(d));
                         }
                     })
-                    .expect("spawn tier IO thread")
             })
-            .collect();
-        TierIo {
+            .collect::<std::io::Result<Vec<_>>>();
+        let threads = match threads {
+            Ok(t) => t,
+            Err(e) => {
+                jobs.close(); // the threads that did start end at once
+                return Err(e);
+            }
+        };
+        Ok(TierIo {
             store,
             jobs,
             threads,
-        }
+        })
     }
 
     /// Queues `job`; hands it back if the threads have stopped. Promotions and probes, which
@@ -92,9 +98,16 @@ impl TierIo {
         pushed.map_err(|(j, _)| j)
     }
 
-    /// Stops taking jobs; queued ones still run. Returns the thread handles to join.
+    /// Stops taking jobs and drops those still queued, unrun: their slots are no longer the
+    /// jobs' once the core has shut down. Jobs already running end alone. Returns the thread
+    /// handles to join.
     pub(crate) fn stop(&mut self) -> Vec<std::thread::JoinHandle<()>> {
         self.jobs.close();
+        let mut dropped = Vec::new();
+        self.jobs.drain_into(&mut dropped);
+        if !dropped.is_empty() {
+            tracing::debug!(jobs = dropped.len(), "queued tier jobs dropped at shutdown");
+        }
         std::mem::take(&mut self.threads)
     }
 }
@@ -176,14 +189,8 @@ fn run_job(
             // job's slots are distinct, so its rows are borrowed all at once and the store
             // batches their IO.
             let slots: Vec<SlotId> = blocks.iter().map(|b| b.slot).collect();
-            let mut sorted = slots.clone();
-            sorted.sort_unstable();
-            sorted.dedup();
-            let results = if sorted.len() != slots.len() {
-                // Never for a job of the core; a row is not borrowed twice even then.
-                Err(())
-            } else if load {
-                with_rows_mut(region, &slots, Vec::new(), &mut |rows| {
+            let results = if load {
+                region.with_rows_mut(&slots, |rows| {
                     let mut batch: Vec<(&Key, &mut [u8])> = blocks
                         .iter()
                         .zip(rows.iter_mut())
@@ -191,9 +198,8 @@ fn run_job(
                         .collect();
                     store.get_many(&mut batch)
                 })
-                .map_err(drop)
             } else {
-                with_rows(region, &slots, Vec::new(), &mut |rows| {
+                region.with_rows(&slots, |rows| {
                     let batch: Vec<(&Key, &[u8])> = blocks
                         .iter()
                         .map(|b| &b.key)
@@ -201,7 +207,6 @@ fn run_job(
                         .collect();
                     store.put_many(&batch)
                 })
-                .map_err(drop)
             };
             let results: Vec<Result<(), StoreError>> = match results {
                 Ok(r) => r,
@@ -234,15 +239,7 @@ fn run_job(
             } else {
                 Outcome::Partial { succeeded: ok }
             };
-            (
-                if load {
-                    JobPath::Promote
-                } else {
-                    JobPath::Cascade
-                },
-                outcome,
-                bytes,
-            )
+            (JobPath::of(&job.kind), outcome, bytes)
         }
         JobKind::Exists { key } => {
             let o = match store.contains(key) {
@@ -277,41 +274,5 @@ fn run_job(
         elapsed: started.elapsed(),
         service: begun.elapsed(),
         error: error.map(|e| e.to_string()),
-    }
-}
-
-/// Runs `f` on the rows of `slots`, all borrowed at once (`rows` holds the ones borrowed so
-/// far); a region error if a slot is outside the region.
-fn with_rows<R>(
-    region: &Region,
-    slots: &[SlotId],
-    mut rows: Vec<&[u8]>,
-    f: &mut dyn FnMut(&[&[u8]]) -> R,
-) -> Result<R, RegionError> {
-    match slots.split_first() {
-        None => Ok(f(&rows)),
-        Some((&slot, rest)) => region.with_row(slot, |row| {
-            let mut rows: Vec<&[u8]> = std::mem::take(&mut rows);
-            rows.push(row);
-            with_rows(region, rest, rows, f)
-        })?,
-    }
-}
-
-/// Runs `f` on the rows of `slots` (distinct), writable and all borrowed at once; a region
-/// error if a slot is outside the region.
-fn with_rows_mut<R>(
-    region: &Region,
-    slots: &[SlotId],
-    mut rows: Vec<&mut [u8]>,
-    f: &mut dyn FnMut(&mut [&mut [u8]]) -> R,
-) -> Result<R, RegionError> {
-    match slots.split_first() {
-        None => Ok(f(&mut rows)),
-        Some((&slot, rest)) => region.with_row_mut(slot, |row| {
-            let mut rows: Vec<&mut [u8]> = std::mem::take(&mut rows);
-            rows.push(row);
-            with_rows_mut(region, rest, rows, f)
-        })?,
     }
 }

@@ -74,7 +74,7 @@ pub enum HwError {
     /// The transfer ended, but its result was dropped before anyone waited for it (see
     /// `DriverOptions::kept_results`).
     #[error(
-        "transfer {0} ended long ago and its result was dropped; wait sooner or keep more results"
+        "transfer {0} ended and its result was dropped: more than `kept_results` results of ended transfers were waiting to be taken"
     )]
     ResultDropped(u64),
 }

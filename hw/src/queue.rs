@@ -117,7 +117,10 @@ impl<T> Queue<T> {
 
     /// Like [`pop`](Self::pop), but gives up after `timeout` (answering `None`).
     pub fn pop_timeout(&self, timeout: std::time::Duration) -> Option<T> {
-        let deadline = std::time::Instant::now() + timeout;
+        // A timeout too long to add to the clock waits as `pop` does.
+        let Some(deadline) = std::time::Instant::now().checked_add(timeout) else {
+            return self.pop();
+        };
         let mut s = lock(&self.state);
         loop {
             if let Some(item) = s.pop() {

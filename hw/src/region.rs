@@ -716,6 +716,59 @@ impl Region {
         self.mapping.with_mut(offset, len, f)
     }
 
+    /// Runs `f` on the rows of `slots`, all borrowed at once (a secondary tier's batched write
+    /// of a cascade job's blocks).
+    ///
+    /// Only for slots whose blocks are Ready and held by the calling job's pins (I3, I4), as
+    /// [`with_row`](Self::with_row).
+    pub(crate) fn with_rows<R>(
+        &self,
+        slots: &[SlotId],
+        f: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Result<R, RegionError> {
+        let mut rows = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            let (offset, len) = self.row_range(slot)?;
+            self.mapping.check(offset, len)?;
+            // SAFETY: the range is inside the live mapping (checked above), which outlives
+            // `f`; no one writes a Ready row pinned by the calling job (I3, I4).
+            rows.push(unsafe {
+                std::slice::from_raw_parts(self.mapping.map.as_ptr().add(offset), len)
+            });
+        }
+        Ok(f(&rows))
+    }
+
+    /// Runs `f` on the rows of `slots`, writable and all borrowed at once (a secondary tier's
+    /// batched read of a promotion job's blocks). Refused if a slot is named twice.
+    ///
+    /// Only for slots that are Promoting for the calling load job (I5), as
+    /// [`with_row_mut`](Self::with_row_mut).
+    pub(crate) fn with_rows_mut<R>(
+        &self,
+        slots: &[SlotId],
+        f: impl FnOnce(&mut [&mut [u8]]) -> R,
+    ) -> Result<R, RegionError> {
+        let mut sorted = slots.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            let (offset, len) = self.row_range(w[0])?;
+            return Err(busy(offset, len));
+        }
+        let mut rows = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            let (offset, len) = self.row_range(slot)?;
+            self.mapping.check(offset, len)?;
+            // SAFETY: the range is inside the live mapping (checked above), which outlives
+            // `f`; the slots are distinct (checked above), so the rows do not overlap; no one
+            // else reads or writes a row Promoting for the calling job (I5).
+            rows.push(unsafe {
+                std::slice::from_raw_parts_mut(self.mapping.map.as_mut_ptr().add(offset), len)
+            });
+        }
+        Ok(f(&mut rows))
+    }
+
     /// Copies `src` into `worker`'s sub-slot of `slot` (the GPU → CPU copy of a store).
     ///
     /// Only for a slot that is Pending for the calling store (P4): the engine alone writes a
