@@ -38,3 +38,19 @@ fn the_scenarios_reach_torn_records_under_every_policy() {
     assert!(dropped > 1, "{dropped} runs dropped a torn header at open");
     assert!(torn > 5, "{torn} runs failed a torn payload at read");
 }
+
+/// The committed corpus of the `file_crash` fuzz target, replayed on stable.
+#[test]
+fn the_fuzz_corpus_replays() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/file_crash");
+    let mut replayed = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let data = std::fs::read(&path).unwrap();
+        if let Err(v) = kvtier_hw::crash::run(&data) {
+            panic!("{}: {v}", path.display());
+        }
+        replayed += 1;
+    }
+    assert!(replayed >= 100, "{replayed} inputs in {}", dir.display());
+}

@@ -79,23 +79,33 @@ impl From<crate::StoreError> for BenchError {
     }
 }
 
-/// Bytes of memory a bench run may plan to take: half of what the system has available now
-/// (`MemAvailable`), or no bound where that is unknown.
-pub fn memory_budget() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(u64::MAX, |kib| kib.saturating_mul(1024) / 2)
+/// A field of a `/proc` file, in its first unit (`VmHWM` of `/proc/self/status` in KiB).
+pub(crate) fn proc_field(file: &str, field: &str) -> Option<u64> {
+    std::fs::read_to_string(file).ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+    })
 }
+
+/// Bytes of memory a bench run may plan to take for its requests and device memory: half of
+/// what the system has available now (`MemAvailable`), or no bound where that is unknown.
+pub fn memory_budget() -> u64 {
+    proc_field("/proc/meminfo", "MemAvailable").map_or(u64::MAX / 4, |kib| {
+        kib.saturating_mul(1024) / 2
+    })
+}
+
+/// Whether files in `dir` live in memory (tmpfs, such as `/dev/shm`).
+pub(crate) fn in_memory(dir: &std::path::Path) -> bool {
+    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+}
+
+const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
 
 /// A byte count, exactly: in the largest binary unit that divides it (`5000 B`, `4 KiB`,
 /// `1536 MiB`).
 pub fn fmt_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut unit = 0;
     let mut v = n;
     while unit + 1 < UNITS.len() && v >= 1024 && v.is_multiple_of(1024) {
@@ -107,7 +117,6 @@ pub fn fmt_bytes(n: u64) -> String {
 
 /// A byte count, rounded to one decimal in the largest binary unit below it (`11.5 GiB`).
 pub fn approx_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut unit = 0;
     let mut v = n as f64;
     while unit + 1 < UNITS.len() && v >= 1024.0 {

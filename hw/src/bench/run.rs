@@ -14,7 +14,7 @@ use super::settings::BenchSettings;
 use super::temp::{TempTier, sweep_temporary_tiers};
 use super::workload::Request;
 use crate::{
-    Driver, DriverOptions, FileStore, HostEngine, HostMemory, Layout, PathSummary, Region,
+    Driver, DriverOptions, FileOptions, FileStore, HostEngine, HostMemory, Layout, PathSummary, Region,
     SecondaryStore, TransferId, page_align,
 };
 
@@ -167,16 +167,7 @@ fn policy_name(p: PolicyKind) -> &'static str {
 }
 
 fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
-                l.split_whitespace()
-                    .nth(1)
-                    .and_then(|v| v.parse::<u64>().ok())
-            })
-        })
-        .map_or(0, |kb| kb * 1024)
+    super::proc_field("/proc/self/status", "VmHWM").map_or(0, |kib| kib * 1024)
 }
 
 /// Replays `requests` through a driver built from `settings`.
@@ -216,19 +207,44 @@ pub fn run(
             ),
         });
     }
-    let device_bytes = (settings.batch as u64)
-        .saturating_mul(longest as u64)
-        .saturating_mul(bb as u64);
+    let device_bytes = settings
+        .batch
+        .checked_mul(longest)
+        .and_then(|n| n.checked_mul(bb))
+        .unwrap_or(usize::MAX);
+    // The requests, the bench's bookkeeping of them and the device stand-in share one budget.
+    let request_bytes: u64 = requests
+        .iter()
+        .map(|r| super::workload::request_bytes(r.blocks.len()))
+        .sum();
     let budget = super::memory_budget();
-    if device_bytes > budget {
+    let needed = request_bytes.saturating_add(device_bytes as u64);
+    if needed > budget {
         return Err(BenchError::Config {
             path: "-".into(),
             reason: format!(
-                "batch: {} requests of up to {longest} blocks of {} need {} of device memory, more than the {} this machine can spare",
+                "batch: {} requests in flight of up to {longest} blocks of {} need {} of device memory, and the {} requests {} more: more than the {} this machine can spare",
                 settings.batch,
                 super::fmt_bytes(bb as u64),
-                super::approx_bytes(device_bytes),
+                super::approx_bytes(device_bytes as u64),
+                requests.len(),
+                super::approx_bytes(request_bytes),
                 super::approx_bytes(budget)
+            ),
+        });
+    }
+    let region_bytes = u64::from(rows) * row as u64;
+    if super::in_memory(&settings.region_dir) && region_bytes.saturating_add(needed) > 2 * budget
+    {
+        // A region in tmpfs is memory: with the rest it must fit in what is available.
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: format!(
+                "cpu_bytes_to_use: a region of {} in {} (memory) with {} for requests and device needs more than the {} this machine has available",
+                super::approx_bytes(region_bytes),
+                settings.region_dir.display(),
+                super::approx_bytes(needed),
+                super::approx_bytes(2 * budget)
             ),
         });
     }
@@ -238,7 +254,7 @@ pub fn run(
     match Region::sweep(&settings.region_dir) {
         Ok(removed) => {
             for path in removed {
-                tracing::warn!(path = %path.display(), "removed the region of a run that died");
+                tracing::warn!(path = %path.display(), "removed what a run that died left of its region");
             }
         }
         // Creating the region sweeps again and reports what stops it.
@@ -269,14 +285,20 @@ pub fn run(
                 p
             }
         };
-        let store = FileStore::open(&dir, row, t.capacity_bytes)?;
+        // The identity names the block size itself, not the page-aligned row: a tier of
+        // 5000-byte blocks is not one of 6000-byte blocks, though both fill 8 KiB rows.
+        let options = FileOptions {
+            identity: format!("kvtier bench, {bb}-byte blocks"),
+            ..FileOptions::default()
+        };
+        let store = FileStore::open_with(&dir, row, t.capacity_bytes, options)?;
         opened.push(store.open_report().clone());
         let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
         tc.policy = t.policy;
         config.tiers.push(tc);
         stores.push(Arc::new(store));
     }
-    let device = Arc::new(HostMemory::new(settings.batch * longest * bb)?);
+    let device = Arc::new(HostMemory::new(device_bytes)?);
     let engine = HostEngine::new(region.clone(), device.clone(), 0, settings.copy_threads);
     let options = DriverOptions {
         io_threads_per_tier: settings.io_threads,
@@ -298,6 +320,9 @@ pub fn run(
     let mut block = vec![0u8; bb];
     let mut expect = vec![0u8; bb];
     let mut steps = 0u64;
+    // Blocks stored in this step, and every request's blocks in the order they were served.
+    let mut stored_now: BTreeSet<u64> = BTreeSet::new();
+    let mut served: Vec<u64> = Vec::with_capacity(requests.iter().map(|r| r.blocks.len()).sum());
     while next < requests.len() || !active.is_empty() {
         if progress.stop_requested() {
             // Dropping the driver ends every job; the region and temporary tiers go with it.
@@ -315,6 +340,7 @@ pub fn run(
         }
         // Each transfer with the blocks it loads (none for a store) and their device base.
         let mut transfers: Vec<(TransferId, &[u64], usize)> = Vec::new();
+        stored_now.clear();
         let mut finished = Vec::new();
         for (ai, a) in active.iter_mut().enumerate() {
             let blocks = &requests[a.index].blocks;
@@ -325,7 +351,14 @@ pub fn run(
             // into one job per tier), and stop at the first Miss.
             for &b in blocks {
                 match driver.lookup(a.id, &key(b)) {
-                    Lookup::Hit if !retry => hits += 1,
+                    Lookup::Hit if !retry => {
+                        hits += 1;
+                        // Stored by another request this very step: whether its copy has
+                        // ended yet is a matter of timing, so it is a hit on that store.
+                        if stored_now.contains(&b) {
+                            a.retried.entry(b).or_default();
+                        }
+                    }
                     Lookup::Hit => {}
                     Lookup::Retry => {
                         retry = true;
@@ -368,7 +401,9 @@ pub fn run(
                 fill(b, &mut block);
                 device.write(base + i * bb, &block)?;
                 computed.push((key(b), base + i * bb));
+                stored_now.insert(b);
             }
+            served.extend_from_slice(blocks);
             match driver.store(a.id, &computed) {
                 Ok(Some(t)) => transfers.push((t, &[], base)),
                 Ok(None) => {}
@@ -401,6 +436,9 @@ pub fn run(
             progress.update(done, total);
         }
     }
+    if progress.stop_requested() {
+        return Err(BenchError::Interrupted { done, total });
+    }
     driver.settle(64);
     progress.update(done, total);
     let stats = driver.manager().stats();
@@ -429,10 +467,9 @@ pub fn run(
     driver.shutdown();
     drop(temp_dirs);
 
-    let refs: Vec<u64> = requests
-        .iter()
-        .flat_map(|r| r.blocks.iter().copied())
-        .collect();
+    // Belady over the blocks in the order they were served: requests that waited were
+    // served after others, so this, not the trace's order, bounds what the run could hit.
+    let refs = served;
     let distinct: BTreeSet<u64> = refs.iter().copied().collect();
     let n = refs.len().max(1) as f64;
     Ok(Report {

@@ -75,7 +75,7 @@ pub fn sweep_temporary_tiers(parent: &Path) -> Vec<PathBuf> {
         }
         match std::fs::remove_dir_all(&path) {
             Ok(()) => {
-                tracing::info!(path = %path.display(), pid, "temporary tier of a dead run removed");
+                tracing::debug!(path = %path.display(), pid, "temporary tier of a dead run removed");
                 removed.push(path);
             }
             Err(e) => {

@@ -179,7 +179,8 @@ impl Default for Synthetic {
 /// Bytes of memory a request of `blocks` blocks takes, with its share of the bench's
 /// bookkeeping of it (the list of references and Belady's index over them).
 pub(crate) fn request_bytes(blocks: usize) -> u64 {
-    (blocks as u64).saturating_mul(8 + 48).saturating_add(64)
+    // 8 bytes per id in the request, 8 in the served order, and Belady's maps over them.
+    (blocks as u64).saturating_mul(128).saturating_add(64)
 }
 
 impl Synthetic {

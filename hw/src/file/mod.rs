@@ -4,13 +4,18 @@
 //!
 //! ```text
 //! offset 0           superblock page: two copies of 2 KiB, each: magic "KVTIERFS", format
-//!                    version, generation, block bytes, record count, identity length,
-//!                    checksum of the fields and the identity, identity
+//!                    version, identity length, generation, block bytes, record count,
+//!                    length and xxh3 of the clean-close index (0 while open), checksum of
+//!                    the fields and the identity, identity; the valid copy of the highest
+//!                    generation is in force, and each update writes the other copy
 //! PAGE + i*record    record i: a header page, then the block (block bytes, page multiple)
 //! header page        magic "KVTBLOCK", format version, key length, payload length,
 //!                    sequence number, payload checksum (xxh3 of the fields, key and payload),
 //!                    header checksum (xxh3 of the fields before it and the key), key
 //! ```
+//!
+//! `blocks.kvt.index` holds the index as the last clean close left it (key, record and
+//! sequence number of each block).
 //!
 //! **Creation is atomic.** A new tier is built under a temporary name in the same directory
 //! (room reserved, superblock written, synced) and published by a rename, then the directory
@@ -25,14 +30,16 @@
 //! caller (the model and its KV layout); opening with another is [`StoreError::Identity`], so
 //! a tier never serves blocks of another model with the same layout.
 //!
-//! **Opening reads the record headers only** (★6): a record whose header does not verify
-//! (torn by a crash, corrupted on disk) is dropped and counted in [`OpenReport::corrupt`]. The
-//! payload is verified by every read (★1): a payload torn behind a valid header is found at
-//! its first read, fails that read (never served) and is counted in
-//! [`FileStore::corrupt_reads`]. [`FileOptions::verify_at_open`] verifies every payload at open
-//! instead (reading the whole file). A deleted block's record is only forgotten, and reused by
-//! a later write; if the process stops first, the block is found again at the next open,
-//! verified, as if it had never been evicted.
+//! **Opening** (★6) after a clean close reads the index that close wrote (the superblock
+//! names it by length and checksum). Opening marks the superblock dirty before any write, so
+//! after a crash the superblock names no index and opening reads every record header instead:
+//! a record whose header does not verify (torn by a crash, corrupted on disk) is dropped and
+//! counted in [`OpenReport::corrupt`]. Either way the payload is verified by every read (★1):
+//! a payload torn behind a valid header is found at its first read, fails that read (never
+//! served) and is counted in [`FileStore::corrupt_reads`]. [`FileOptions::verify_at_open`]
+//! verifies every payload at open instead (reading the whole file). A deleted block's record
+//! is only forgotten, and reused by a later write; after a crash, a deleted block whose record
+//! was not reused yet is found again, verified, as if it had never been evicted.
 //!
 //! **Durability** follows [`FsyncPolicy`].
 
