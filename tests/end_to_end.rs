@@ -613,3 +613,38 @@ fn shutdown_drops_queued_jobs_unrun() {
         faults.counts()
     );
 }
+
+/// J1, M6: cascades queued behind one another are written as one batch, and each job still
+/// ends with its own blocks' results: with room for three blocks, the fourth job alone fails.
+#[test]
+fn batched_cascades_end_each_job_with_its_own_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, faults) = faulty(dir.path());
+    faults.set(Faults {
+        put_delay: Some(std::time::Duration::from_millis(100)),
+        space_left: Some(3 * BLOCK as u64),
+        ..Faults::default()
+    });
+    let options = DriverOptions {
+        io_threads_per_tier: 1,
+        ..DriverOptions::default()
+    };
+    let mut r = rig_with(dir.path(), vec![store], options, |_, config| {
+        config.health.failures_to_down = 100;
+    });
+    for i in 0..4 {
+        r.store(&key(i), i as usize);
+        r.driver.poll(); // the copy's end queues the cascade behind the one running
+    }
+    r.driver.settle(4);
+    let tier = r.driver.manager().tier(kvtier_core::TierId(0)).unwrap();
+    for i in 0..3 {
+        assert!(tier.state_of(&key(i)).is_some(), "block {i} cascaded");
+    }
+    assert!(tier.state_of(&key(3)).is_none(), "block 3 found no room");
+    let stats = r.driver.manager().stats();
+    assert_eq!(stats.tiers[0].1.blocks, 3, "{stats:?}");
+    assert_eq!(stats.tiers[0].1.write_failures, 1, "{stats:?}");
+    assert_eq!(faults.counts().puts, 3);
+    r.driver.manager().check_invariants().unwrap();
+}

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{Job, JobKind, JobResult, Key, Outcome, SlotId, TierId};
+use kvtier_core::{Job, JobId, JobKind, JobResult, Key, Outcome, SlotId, TierId, Transfer};
 
 use crate::engine::{Completion, Completions};
 use crate::queue::Queue;
@@ -64,9 +64,16 @@ impl TierIo {
                 std::thread::Builder::new()
                     .name(format!("kvtier-tier{}-{i}", tier.0))
                     .spawn(move || {
-                        while let Some((job, started)) = jobs.pop() {
-                            let d = run_guarded(tier, &*store, &region, job, started);
-                            let _ = done.push(Completion::Tier(d));
+                        while let Some(first) = jobs.pop() {
+                            let mut group = vec![first];
+                            // Cascades queued behind a cascade go with it, as one batch;
+                            // never past a promotion or probe waiting to go first (Q4).
+                            if matches!(group[0].0.kind, JobKind::Store { .. }) {
+                                jobs.take_ordinary(MAX_GROUP - 1, &mut group);
+                            }
+                            for d in run_guarded(tier, &*store, &region, group) {
+                                let _ = done.push(Completion::Tier(d));
+                            }
                         }
                     })
             })
@@ -112,38 +119,47 @@ impl TierIo {
     }
 }
 
-/// Runs `job`, ending it as failed if the store panics: every job reports exactly once, and
-/// the thread lives on to serve the next one.
+/// Cascade jobs an IO thread takes together at most: their blocks are written as one batch
+/// (adjacent records in one IO, one sync under the file tier's `Batch` policy).
+const MAX_GROUP: usize = 16;
+
+/// Runs a group of jobs (one job, or cascades taken together), ending each as failed if the
+/// store panics: every job reports exactly once, and the thread lives on to serve the next.
 fn run_guarded(
     tier: TierId,
     store: &dyn SecondaryStore,
     region: &Region,
-    job: Job,
-    started: Instant,
-) -> TierDone {
-    let (id, path) = (job.id, JobPath::of(&job.kind));
+    group: Vec<(Job, Instant)>,
+) -> Vec<TierDone> {
+    let ids: Vec<(JobId, JobPath, Instant)> = group
+        .iter()
+        .map(|(j, started)| (j.id, JobPath::of(&j.kind), *started))
+        .collect();
     let begun = Instant::now();
     // The store's shared state is behind locks that ignore poisoning, and a failed job
-    // changes nothing in the core: a panic leaves nothing half-done that anyone relies on.
+    // changes nothing in the core; what a store loses to a panic is its own (the file tier
+    // may hold the records it had taken until it is reopened).
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run_job(tier, store, region, job, started)
+        run_group(tier, store, region, group)
     })) {
-        Ok(d) => d,
+        Ok(done) => done,
         Err(panic) => {
             let message = panic_message(&*panic);
-            tracing::error!(%tier, job = %id, panic = %message, "tier IO panicked; the job failed");
-            TierDone {
-                tier,
-                result: JobResult {
-                    job: id,
-                    outcome: Outcome::Failed,
-                },
-                path,
-                bytes: 0,
-                elapsed: started.elapsed(),
-                service: begun.elapsed(),
-                error: Some(format!("panicked: {message}")),
-            }
+            tracing::error!(%tier, jobs = ids.len(), panic = %message, "tier IO panicked; its jobs failed");
+            ids.into_iter()
+                .map(|(job, path, started)| TierDone {
+                    tier,
+                    result: JobResult {
+                        job,
+                        outcome: Outcome::Failed,
+                    },
+                    path,
+                    bytes: 0,
+                    elapsed: started.elapsed(),
+                    service: begun.elapsed(),
+                    error: Some(format!("panicked: {message}")),
+                })
+                .collect()
         }
     }
 }
@@ -167,71 +183,142 @@ impl JobPath {
     }
 }
 
-fn run_job(
+/// Runs a group: the blocks of every store or load job in it go to the store as one batch,
+/// and each job ends with the results of its own blocks.
+fn run_group(
     tier: TierId,
     store: &dyn SecondaryStore,
     region: &Region,
-    job: Job,
-    started: Instant,
-) -> TierDone {
+    group: Vec<(Job, Instant)>,
+) -> Vec<TierDone> {
     let begun = Instant::now();
-    let row = region.layout().row_bytes() as u64;
-    let mut error: Option<StoreError> = None;
-    let mut note = |e: StoreError| {
-        tracing::debug!(%tier, job = %job.id, error = %e, "tier operation failed");
-        error.get_or_insert(e);
+    let load = group
+        .iter()
+        .any(|(j, _)| matches!(j.kind, JobKind::Load { .. }));
+    let blocks: Vec<&Transfer> = group.iter().flat_map(|(j, _)| j.blocks()).collect();
+    let mut results = if blocks.is_empty() {
+        Vec::new()
+    } else {
+        block_results(store, region, &blocks, load)
+    }
+    .into_iter();
+    group
+        .into_iter()
+        .map(|(job, started)| {
+            let mine: Vec<_> = results.by_ref().take(job.blocks().len()).collect();
+            run_job(store, region, &job, mine).finish(
+                tier,
+                job.id,
+                JobPath::of(&job.kind),
+                started,
+                begun,
+            )
+        })
+        .collect()
+}
+
+/// Reads or writes `blocks` as one batch; one result per block, in order.
+fn block_results(
+    store: &dyn SecondaryStore,
+    region: &Region,
+    blocks: &[&Transfer],
+    load: bool,
+) -> Vec<Result<(), StoreError>> {
+    // Store: each slot is Ready and pinned by its job (I4); load: each slot is Promoting for
+    // its job (I5). Either way no one else writes the rows, and the slots are distinct, so
+    // the rows are borrowed all at once and the store batches their IO.
+    let slots: Vec<SlotId> = blocks.iter().map(|b| b.slot).collect();
+    let results = if load {
+        region.with_rows_mut(&slots, |rows| {
+            let mut batch: Vec<(&Key, &mut [u8])> = blocks
+                .iter()
+                .zip(rows.iter_mut())
+                .map(|(b, row)| (&b.key, &mut **row))
+                .collect();
+            store.get_many(&mut batch)
+        })
+    } else {
+        region.with_rows(&slots, |rows| {
+            let batch: Vec<(&Key, &[u8])> = blocks
+                .iter()
+                .map(|b| &b.key)
+                .zip(rows.iter().copied())
+                .collect();
+            store.put_many(&batch)
+        })
     };
-    let (path, outcome, bytes) = match &job.kind {
+    match results {
+        Ok(r) => r,
+        // A slot outside the region (or named twice): each block on its own, so the others
+        // still run.
+        Err(_) => blocks
+            .iter()
+            .map(|b| {
+                let r = if load {
+                    region.with_row_mut(b.slot, |row| store.get(&b.key, row))
+                } else {
+                    region.with_row(b.slot, |row| store.put(&b.key, row))
+                };
+                r.unwrap_or_else(|e| Err(StoreError::BadInput(e.to_string())))
+            })
+            .collect(),
+    }
+}
+
+/// How one job ended, before its timing is added.
+struct Ended {
+    outcome: Outcome,
+    bytes: u64,
+    error: Option<StoreError>,
+}
+
+impl Ended {
+    fn finish(
+        self,
+        tier: TierId,
+        job: JobId,
+        path: JobPath,
+        started: Instant,
+        begun: Instant,
+    ) -> TierDone {
+        if let Some(e) = &self.error {
+            tracing::debug!(%tier, %job, error = %e, "tier operation failed");
+        }
+        TierDone {
+            tier,
+            result: JobResult {
+                job,
+                outcome: self.outcome,
+            },
+            path,
+            bytes: self.bytes,
+            elapsed: started.elapsed(),
+            service: begun.elapsed(),
+            error: self.error.map(|e| e.to_string()),
+        }
+    }
+}
+
+/// Ends `job`: a store or load job from its blocks' `results`, a probe by asking the store.
+fn run_job(
+    store: &dyn SecondaryStore,
+    region: &Region,
+    job: &Job,
+    results: Vec<Result<(), StoreError>>,
+) -> Ended {
+    let mut error = None;
+    let (outcome, bytes) = match &job.kind {
         JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. } => {
-            let load = matches!(job.kind, JobKind::Load { .. });
-            // Store: each slot is Ready and pinned by this job (I4); load: each slot is
-            // Promoting for this job (I5). Either way no one else writes the rows, and a
-            // job's slots are distinct, so its rows are borrowed all at once and the store
-            // batches their IO.
-            let slots: Vec<SlotId> = blocks.iter().map(|b| b.slot).collect();
-            let results = if load {
-                region.with_rows_mut(&slots, |rows| {
-                    let mut batch: Vec<(&Key, &mut [u8])> = blocks
-                        .iter()
-                        .zip(rows.iter_mut())
-                        .map(|(b, row)| (&b.key, &mut **row))
-                        .collect();
-                    store.get_many(&mut batch)
-                })
-            } else {
-                region.with_rows(&slots, |rows| {
-                    let batch: Vec<(&Key, &[u8])> = blocks
-                        .iter()
-                        .map(|b| &b.key)
-                        .zip(rows.iter().copied())
-                        .collect();
-                    store.put_many(&batch)
-                })
-            };
-            let results: Vec<Result<(), StoreError>> = match results {
-                Ok(r) => r,
-                // A slot outside the region (or named twice): each block on its own, so the
-                // others still run.
-                Err(_) => blocks
-                    .iter()
-                    .map(|b| {
-                        let r = if load {
-                            region.with_row_mut(b.slot, |row| store.get(&b.key, row))
-                        } else {
-                            region.with_row(b.slot, |row| store.put(&b.key, row))
-                        };
-                        r.unwrap_or_else(|e| Err(StoreError::BadInput(e.to_string())))
-                    })
-                    .collect(),
-            };
             let mut ok = Vec::with_capacity(blocks.len());
             for (b, r) in blocks.iter().zip(results) {
                 match r {
                     Ok(()) => ok.push(b.key.clone()),
-                    Err(e) => note(e),
+                    Err(e) => {
+                        error.get_or_insert(e);
+                    }
                 }
             }
-            let bytes = ok.len() as u64 * row;
+            let bytes = ok.len() as u64 * region.layout().row_bytes() as u64;
             let outcome = if ok.len() == blocks.len() {
                 Outcome::Ok
             } else if ok.is_empty() {
@@ -239,40 +326,27 @@ fn run_job(
             } else {
                 Outcome::Partial { succeeded: ok }
             };
-            (JobPath::of(&job.kind), outcome, bytes)
+            (outcome, bytes)
         }
-        JobKind::Exists { key } => {
-            let o = match store.contains(key) {
-                Ok(true) => Outcome::Ok,
-                Ok(false) => Outcome::NotFound,
-                Err(e) => {
-                    note(e);
-                    Outcome::Failed
-                }
-            };
-            (JobPath::Probe, o, 0)
-        }
-        JobKind::Health => {
-            let o = match store.check() {
-                Ok(()) => Outcome::Ok,
-                Err(e) => {
-                    note(e);
-                    Outcome::Failed
-                }
-            };
-            (JobPath::Probe, o, 0)
-        }
-    };
-    TierDone {
-        tier,
-        result: JobResult {
-            job: job.id,
-            outcome,
+        JobKind::Exists { key } => match store.contains(key) {
+            Ok(true) => (Outcome::Ok, 0),
+            Ok(false) => (Outcome::NotFound, 0),
+            Err(e) => {
+                error = Some(e);
+                (Outcome::Failed, 0)
+            }
         },
-        path,
+        JobKind::Health => match store.check() {
+            Ok(()) => (Outcome::Ok, 0),
+            Err(e) => {
+                error = Some(e);
+                (Outcome::Failed, 0)
+            }
+        },
+    };
+    Ended {
+        outcome,
         bytes,
-        elapsed: started.elapsed(),
-        service: begun.elapsed(),
-        error: error.map(|e| e.to_string()),
+        error,
     }
 }

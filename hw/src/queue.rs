@@ -12,6 +12,8 @@
 //! - Q4: an urgent item is popped before every ordinary item still queued; each class is FIFO.
 //! - Q5 ([`Countdown`]): when the parts of one job end on several threads, exactly one of
 //!   them, the last, receives every part's outcome.
+//! - Q6: `take_ordinary` takes ordinary items only while no urgent item waits, so taking a
+//!   batch of cascades never delays a promotion queued before the batch was taken.
 //!   (A tier serves promotions, which a request waits for, before cascades, which nobody
 //!   waits for.)
 
@@ -101,6 +103,18 @@ impl<T> Queue<T> {
         let n = s.urgent.len() + s.items.len();
         let s = &mut *s;
         out.extend(s.urgent.drain(..).chain(s.items.drain(..)));
+        n
+    }
+
+    /// Q6: moves up to `max` ordinary items now queued into `out`, without waiting, and only
+    /// while no urgent item is queued (urgent items keep going first). Returns how many.
+    pub fn take_ordinary(&self, max: usize, out: &mut Vec<T>) -> usize {
+        let mut s = lock(&self.state);
+        if !s.urgent.is_empty() {
+            return 0;
+        }
+        let n = max.min(s.items.len());
+        out.extend(s.items.drain(..n));
         n
     }
 

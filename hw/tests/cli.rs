@@ -176,7 +176,7 @@ fn a_killed_runs_region_and_temporary_tier_are_swept_by_the_next_run() {
         "{stderr}"
     );
     assert!(
-        stderr.contains("removed the region of a run that died"),
+        stderr.contains("removed what a run that died left of its region"),
         "{stderr}"
     );
     assert_eq!(entries(&dir.path().join("tmp")), Vec::<String>::new());

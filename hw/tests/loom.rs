@@ -151,3 +151,36 @@ fn the_last_part_reports_the_job_once() {
         assert_eq!(outcomes, vec![1, 2]);
     });
 }
+
+/// Q4, Q6: an IO thread that took a cascade and then takes the cascades queued behind it never
+/// takes them past a promotion pushed concurrently: whatever it took, the promotion is popped
+/// before any cascade left behind, and every item is taken exactly once.
+#[test]
+fn taking_a_batch_never_passes_an_urgent_item() {
+    loom::model(|| {
+        let q = Arc::new(Queue::new());
+        q.push(1u32).unwrap();
+        q.push(2).unwrap();
+        q.push(3).unwrap();
+        let driver = {
+            let q = q.clone();
+            thread::spawn(move || q.push_urgent(100).unwrap())
+        };
+        let first = q.pop().expect("open queue");
+        let mut batch = vec![first];
+        q.take_ordinary(1, &mut batch);
+        driver.join().unwrap();
+        let mut rest = Vec::new();
+        while let Some(x) = q.pop_timeout(std::time::Duration::ZERO) {
+            rest.push(x);
+        }
+        let mut all: Vec<u32> = batch.iter().chain(&rest).copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, vec![1, 2, 3, 100]);
+        // If the batch took an ordinary item, the urgent one was not queued yet; either way,
+        // once queued, it goes before every ordinary item still waiting.
+        if let Some(p) = rest.iter().position(|&x| x == 100) {
+            assert!(rest[..p].iter().all(|&x| x == 100), "{batch:?} {rest:?}");
+        }
+    });
+}

@@ -91,14 +91,14 @@ pub(crate) fn proc_field(file: &str, field: &str) -> Option<u64> {
 /// Bytes of memory a bench run may plan to take for its requests and device memory: half of
 /// what the system has available now (`MemAvailable`), or no bound where that is unknown.
 pub fn memory_budget() -> u64 {
-    proc_field("/proc/meminfo", "MemAvailable").map_or(u64::MAX / 4, |kib| {
-        kib.saturating_mul(1024) / 2
-    })
+    proc_field("/proc/meminfo", "MemAvailable")
+        .map_or(u64::MAX / 4, |kib| kib.saturating_mul(1024) / 2)
 }
 
 /// Whether files in `dir` live in memory (tmpfs, such as `/dev/shm`).
 pub(crate) fn in_memory(dir: &std::path::Path) -> bool {
-    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+    nix::sys::statfs::statfs(dir)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
 }
 
 const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

@@ -14,8 +14,8 @@ use super::settings::BenchSettings;
 use super::temp::{TempTier, sweep_temporary_tiers};
 use super::workload::Request;
 use crate::{
-    Driver, DriverOptions, FileOptions, FileStore, HostEngine, HostMemory, Layout, PathSummary, Region,
-    SecondaryStore, TransferId, page_align,
+    Driver, DriverOptions, FileOptions, FileStore, HostEngine, HostMemory, Layout, PathSummary,
+    Region, SecondaryStore, TransferId, page_align,
 };
 
 /// Receives progress (requests finished) while the bench runs, and may stop it.
@@ -234,8 +234,7 @@ pub fn run(
         });
     }
     let region_bytes = u64::from(rows) * row as u64;
-    if super::in_memory(&settings.region_dir) && region_bytes.saturating_add(needed) > 2 * budget
-    {
+    if super::in_memory(&settings.region_dir) && region_bytes.saturating_add(needed) > 2 * budget {
         // A region in tmpfs is memory: with the rest it must fit in what is available.
         return Err(BenchError::Config {
             path: "-".into(),
