@@ -34,9 +34,9 @@ pub enum BenchError {
         reason: String,
     },
     /// A malformed or invalid configuration.
-    #[error("config {}: {reason}", path.display())]
+    #[error("{}", config_message(path, reason))]
     Config {
-        /// The configuration file (or "-" for options).
+        /// The configuration file (or "-" for the settings as a whole: file and options).
         path: PathBuf,
         /// What is wrong, naming the field.
         reason: String,
@@ -62,9 +62,20 @@ pub enum BenchError {
         /// Requests in the workload.
         total: u64,
     },
+    /// Loaded blocks differed from what was stored: the run served wrong data.
+    #[error("{0} loaded blocks differed from what was stored")]
+    Wrong(u64),
     /// The hardware layer failed.
     #[error(transparent)]
     Hw(#[from] crate::HwError),
+}
+
+fn config_message(path: &std::path::Path, reason: &str) -> String {
+    if path == std::path::Path::new("-") {
+        format!("invalid settings: {reason}")
+    } else {
+        format!("config {}: {reason}", path.display())
+    }
 }
 
 impl From<crate::RegionError> for BenchError {

@@ -1,7 +1,7 @@
 //! The bench loop and its report.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -181,7 +181,13 @@ pub fn run(
     requests: &[Request],
     progress: &mut dyn Progress,
 ) -> Result<Report, BenchError> {
-    settings.validate(Path::new("-"))?;
+    settings.validate()?;
+    if requests.is_empty() {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: "requests: the workload has none".into(),
+        });
+    }
     let start = Instant::now();
     let bb = settings.block_bytes;
     let row = page_align(bb);

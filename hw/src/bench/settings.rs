@@ -157,7 +157,8 @@ impl FileSettings {
         }
     }
 
-    /// Applies the file over `s`, checking every value.
+    /// Applies the file over `s`, checking what only the file can get wrong (names, types);
+    /// [`BenchSettings::validate`] checks the values once the options are applied too.
     pub fn apply(&self, s: &mut BenchSettings, path: &Path) -> Result<(), BenchError> {
         let bad = |reason: String| BenchError::Config {
             path: path.to_path_buf(),
@@ -207,30 +208,45 @@ impl FileSettings {
                 })
                 .collect::<Result<_, _>>()?;
         }
-        s.validate(path)
+        Ok(())
     }
 }
 
 impl BenchSettings {
-    /// Checks the settings; the error names the field.
-    pub fn validate(&self, path: &Path) -> Result<(), BenchError> {
-        let bad = |reason: &str| {
+    /// Checks the settings, once every source (defaults, file, options) is applied: the error
+    /// names the setting by its file key and its option. Nothing is created before this.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        let bad = |reason: String| {
             Err(BenchError::Config {
-                path: path.to_path_buf(),
-                reason: reason.into(),
+                path: "-".into(),
+                reason,
             })
         };
         if self.block_bytes == 0 || self.block_bytes > 1 << 30 {
-            return bad("block bytes: must be 1 byte to 1 GiB");
+            return bad("block bytes (block_size × bytes_per_token, --block-bytes): must be 1 byte to 1 GiB".into());
         }
-        if self.cpu_bytes < crate::page_align(self.block_bytes) as u64 {
-            return bad("cpu_bytes_to_use: holds no block of this size");
+        let row = crate::page_align(self.block_bytes);
+        if self.cpu_bytes < row as u64 {
+            return bad(format!(
+                "cpu_bytes_to_use (--cpu-bytes): {} holds no block of {} (a block takes {} in the region)",
+                super::fmt_bytes(self.cpu_bytes),
+                super::fmt_bytes(self.block_bytes as u64),
+                super::fmt_bytes(row as u64)
+            ));
         }
         if self.batch == 0 || self.batch > 256 {
-            return bad("batch: must be 1 to 256");
+            return bad("batch: must be 1 to 256".into());
         }
-        if self.tiers.iter().any(|t| t.capacity_bytes == 0) {
-            return bad("secondary_tiers.capacity_bytes: must be positive");
+        for (i, t) in self.tiers.iter().enumerate() {
+            if let Err(e) = crate::FileStore::capacity_for(row, t.capacity_bytes) {
+                return bad(format!("secondary_tiers[{i}].capacity_bytes (--tier): {e}"));
+            }
+        }
+        if !self.region_dir.is_dir() {
+            return bad(format!(
+                "region_dir (--region-dir): {} is not a directory",
+                self.region_dir.display()
+            ));
         }
         Ok(())
     }

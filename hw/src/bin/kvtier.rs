@@ -2,10 +2,10 @@
 //! and reports hit ratios, bandwidth and latency.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -46,6 +46,9 @@ struct BenchArgs {
     /// Bytes of the primary region, with units (`2GiB`); overrides the configuration.
     #[arg(long, value_parser = bench::parse_bytes)]
     cpu_bytes: Option<u64>,
+    /// Directory of the primary region's shared-memory file (default `/dev/shm`).
+    #[arg(long)]
+    region_dir: Option<PathBuf>,
     /// A secondary file tier, `PATH:BYTES` (`/mnt/nvme/kv:64GiB`; an empty PATH is a
     /// temporary directory). Repeat for more tiers, in cascade order; replaces the
     /// configuration's tiers.
@@ -68,7 +71,8 @@ struct BenchArgs {
 
 struct Bar {
     bar: ProgressBar,
-    stop: Arc<AtomicBool>,
+    /// The signal that asked the run to stop, 0 for none.
+    stop: Arc<AtomicUsize>,
 }
 
 impl Progress for Bar {
@@ -78,17 +82,20 @@ impl Progress for Bar {
     }
 
     fn stop_requested(&self) -> bool {
-        self.stop.load(Ordering::Relaxed)
+        self.stop.load(Ordering::Relaxed) != 0
     }
 }
 
-fn bench(args: BenchArgs, stop: Arc<AtomicBool>) -> Result<(), BenchError> {
+fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
     let mut settings = BenchSettings::default();
     if let Some(path) = &args.config {
         FileSettings::read(path)?.apply(&mut settings, path)?;
     }
     if let Some(b) = args.cpu_bytes {
         settings.cpu_bytes = b;
+    }
+    if let Some(d) = &args.region_dir {
+        settings.region_dir = d.clone();
     }
     if !args.tiers.is_empty() {
         settings.tiers = args.tiers.clone();
@@ -99,7 +106,13 @@ fn bench(args: BenchArgs, stop: Arc<AtomicBool>) -> Result<(), BenchError> {
     if let Some(p) = &args.policy {
         settings.policy = bench::parse_policy(p).expect("clap checked the value");
     }
-    settings.validate(args.config.as_deref().unwrap_or(Path::new("-")))?;
+    settings.validate()?;
+    if args.requests == Some(0) {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: "requests (--requests): must be at least 1".into(),
+        });
+    }
     let budget = bench::memory_budget();
     let requests = match &args.trace {
         Some(t) => {
@@ -140,32 +153,42 @@ fn bench(args: BenchArgs, stop: Arc<AtomicBool>) -> Result<(), BenchError> {
     {
         println!("{out}");
     }
+    if report.wrong_blocks > 0 {
+        return Err(BenchError::Wrong(report.wrong_blocks));
+    }
     Ok(())
 }
 
 fn main() -> ExitCode {
+    // Colour only for a person at a terminal who has not asked for none (NO_COLOR).
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(colour)
         .init();
     let cli = Cli::parse();
     // SIGINT and SIGTERM ask the run to stop: it ends its jobs and removes its region and
-    // temporary tiers before it exits. A second signal exits at once.
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    if let Err(e) = ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::Relaxed) {
-            std::process::exit(130);
+    // temporary tiers, then exits with 128 + the signal's number. A second signal exits at
+    // once, leaving them for the next run to sweep.
+    let stop = Arc::new(AtomicUsize::new(0));
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // Handlers run in the order registered: the exit checks `armed`, which the first
+        // signal sets only after it.
+        let registered =
+            signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, armed.clone())
+                .and_then(|_| signal_hook::flag::register(sig, armed.clone()))
+                .and_then(|_| signal_hook::flag::register_usize(sig, stop.clone(), sig as usize));
+        if let Err(e) = registered {
+            tracing::warn!(error = %e, "no signal handler: an interrupted run leaves its files behind");
         }
-    }) {
-        tracing::warn!(error = %e, "no signal handler: an interrupted run leaves its files behind");
     }
     let result = match cli.command {
-        Command::Bench(args) => bench(args, stop),
+        Command::Bench(args) => bench(args, stop.clone()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -174,10 +197,9 @@ fn main() -> ExitCode {
             {
                 eprintln!("kvtier: {e}");
             }
-            if matches!(e, BenchError::Interrupted { .. }) {
-                ExitCode::from(130)
-            } else {
-                ExitCode::FAILURE
+            match (&e, stop.load(Ordering::Relaxed)) {
+                (BenchError::Interrupted { .. }, sig) if sig > 0 => ExitCode::from(128 + sig as u8),
+                _ => ExitCode::FAILURE,
             }
         }
     }

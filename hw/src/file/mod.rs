@@ -478,6 +478,13 @@ impl FileStore {
         Self::open_in(&RealDir::new(dir), block_bytes, capacity_bytes, options)
     }
 
+    /// How many blocks of `block_bytes` a tier of `capacity_bytes` holds: each block takes a
+    /// record of one header page and its bytes, after one superblock page. An error says why
+    /// no tier can be made of these sizes.
+    pub fn capacity_for(block_bytes: usize, capacity_bytes: u64) -> Result<u32, StoreError> {
+        Self::check_options(block_bytes, capacity_bytes, &FileOptions::default())
+    }
+
     /// The record count `capacity_bytes` holds, or why the arguments are refused.
     fn check_options(
         block_bytes: usize,
