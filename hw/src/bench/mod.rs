@@ -51,11 +51,9 @@ pub enum BenchError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The run was stopped (a signal) after `done` of `total` requests; every job was
-    /// ended and the region and temporary tiers removed.
-    #[error(
-        "interrupted after {done} of {total} requests; the region and temporary tiers were removed"
-    )]
+    /// The run was stopped (a signal) after `done` of `total` requests; every job is ended
+    /// and the region and temporary tiers are removed as the run's parts are dropped.
+    #[error("interrupted after {done} of {total} requests")]
     Interrupted {
         /// Requests finished.
         done: u64,

@@ -64,6 +64,8 @@ pub struct TierReport {
     pub dropped_at_open: u64,
     /// Its eviction policy.
     pub policy: String,
+    /// When its writes are made durable.
+    pub fsync: String,
     /// Whether its IO bypasses the page cache (`O_DIRECT`).
     pub direct_io: bool,
 }
@@ -294,6 +296,7 @@ pub fn run(
         // 5000-byte blocks is not one of 6000-byte blocks, though both fill 8 KiB rows.
         let options = FileOptions {
             identity: format!("kvtier bench, {bb}-byte blocks"),
+            fsync: t.fsync,
             ..FileOptions::default()
         };
         let store = FileStore::open_with(&dir, row, t.capacity_bytes, options)?;
@@ -466,6 +469,7 @@ pub fn run(
             recovered: opened[i].recovered as u64,
             dropped_at_open: opened[i].corrupt as u64,
             policy: policy_name(settings.tiers[i].policy).into(),
+            fsync: settings.tiers[i].fsync.to_string(),
             direct_io: opened[i].direct_io,
         })
         .collect();
@@ -553,10 +557,11 @@ impl std::fmt::Display for Report {
         for (i, t) in self.tiers.iter().enumerate() {
             writeln!(
                 f,
-                "tier {i}          {} / {} blocks, {}, {} cascaded, {} evictions, {} failures, {}, {}",
+                "tier {i}          {} / {} blocks, {}, fsync {}, {} cascaded, {} evictions, {} failures, {}, {}",
                 t.blocks,
                 t.capacity_blocks,
                 t.policy,
+                t.fsync,
                 t.cascaded,
                 t.evictions,
                 t.failures,

@@ -3,6 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use kvtier_core::PolicyKind;
+
+use crate::FsyncPolicy;
 use serde::Deserialize;
 
 use super::BenchError;
@@ -16,6 +18,8 @@ pub struct TierSettings {
     pub capacity_bytes: u64,
     /// Its eviction policy (LRU unless the tier names one).
     pub policy: PolicyKind,
+    /// When its writes are made durable (the file tier's default unless the tier names one).
+    pub fsync: FsyncPolicy,
 }
 
 impl TierSettings {
@@ -25,6 +29,7 @@ impl TierSettings {
             path,
             capacity_bytes,
             policy: PolicyKind::Lru,
+            fsync: FsyncPolicy::default(),
         }
     }
 
@@ -121,6 +126,8 @@ pub struct FileTier {
     pub capacity_bytes: u64,
     /// Its eviction policy: "lru" (the default) or "arc" (any case).
     pub eviction_policy: Option<String>,
+    /// When its writes are made durable: "none", "batch" or "write".
+    pub fsync: Option<String>,
 }
 
 /// Parses a policy name.
@@ -203,6 +210,12 @@ impl FileSettings {
                     let mut tier = TierSettings::new(t.path.clone(), t.capacity_bytes);
                     if let Some(p) = &t.eviction_policy {
                         tier.policy = policy(format!("secondary_tiers[{i}].eviction_policy"), p)?;
+                    }
+                    if let Some(f) = &t.fsync {
+                        tier.fsync = f
+                            .to_ascii_lowercase()
+                            .parse()
+                            .map_err(|e| bad(format!("secondary_tiers[{i}].fsync: {e}")))?;
                     }
                     Ok(tier)
                 })
@@ -310,6 +323,7 @@ capacity_bytes = 1073741824
 type = "file"
 capacity_bytes = 1073741824
 eviction_policy = "Arc"
+fsync = "write"
 "#;
         let mut s = BenchSettings::default();
         let f = FileSettings::parse(toml, Path::new("c.toml")).unwrap();
@@ -317,6 +331,8 @@ eviction_policy = "Arc"
         assert_eq!(s.policy, PolicyKind::Arc, "the primary's policy, any case");
         let tiers: Vec<PolicyKind> = s.tiers.iter().map(|t| t.policy).collect();
         assert_eq!(tiers, [PolicyKind::Lru, PolicyKind::Arc]);
+        assert_eq!(s.tiers[0].fsync, FsyncPolicy::default());
+        assert_eq!(s.tiers[1].fsync, FsyncPolicy::Write);
         let bad =
             "[[secondary_tiers]]\ntype = \"file\"\ncapacity_bytes = 1\neviction_policy = \"mru\"";
         let err = FileSettings::parse(bad, Path::new("c.toml"))
