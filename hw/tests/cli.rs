@@ -148,6 +148,31 @@ fn a_signal_at_any_point_leaves_nothing_behind() {
     }
 }
 
+/// `kill -9` at any point of a run's first second, from its start through creating the region
+/// and the tier to the replay: whatever it left, the next run sweeps it and succeeds.
+#[test]
+fn a_kill_at_any_point_is_swept_by_the_next_run() {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..6 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let delay = Duration::from_millis(x % 1000);
+        let dir = tempfile::tempdir().unwrap();
+        let child = kvtier(dir.path(), LONG).spawn().unwrap();
+        std::thread::sleep(delay);
+        signal(&child, 9);
+        let out = finish(child);
+        assert_eq!(out.status.signal(), Some(9), "after {delay:?}");
+        let next = kvtier(dir.path(), &[SMALL, &["--requests", "20"]].concat())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&next.stderr);
+        assert!(next.status.success(), "after a kill at {delay:?}: {stderr}");
+        assert_clean(dir.path(), &format!("the run after a kill at {delay:?}"));
+    }
+}
+
 #[test]
 fn a_killed_runs_region_and_temporary_tier_are_swept_by_the_next_run() {
     let dir = tempfile::tempdir().unwrap();
