@@ -88,6 +88,19 @@ fn wait_running(child: &mut Child, dir: &Path) {
     std::thread::sleep(Duration::from_millis(300));
 }
 
+/// `n` points spread over a run's first second by a fixed sequence: the same every time.
+fn fixed_points(seed: u64, n: usize) -> Vec<Duration> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            Duration::from_millis(x % 1000)
+        })
+        .collect()
+}
+
 fn signal(child: &Child, sig: i32) {
     let ok = Command::new("kill")
         .args([format!("-{sig}"), child.id().to_string()])
@@ -123,13 +136,10 @@ fn sigint_and_sigterm_stop_the_run_and_remove_its_files() {
 /// through creating the region and the tier to the replay, leaves nothing behind.
 #[test]
 fn a_signal_at_any_point_leaves_nothing_behind() {
-    // Spread over the first second of a run by a fixed sequence: the same points every time.
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    for i in 0..8 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let delay = Duration::from_millis(x % 1000);
+    for (i, delay) in fixed_points(0x2545_f491_4f6c_dd1d, 8)
+        .into_iter()
+        .enumerate()
+    {
         let sig = if i % 2 == 0 { SIGINT } else { SIGTERM };
         let dir = tempfile::tempdir().unwrap();
         let child = kvtier(dir.path(), LONG).spawn().unwrap();
@@ -152,12 +162,7 @@ fn a_signal_at_any_point_leaves_nothing_behind() {
 /// and the tier to the replay: whatever it left, the next run sweeps it and succeeds.
 #[test]
 fn a_kill_at_any_point_is_swept_by_the_next_run() {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for _ in 0..6 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let delay = Duration::from_millis(x % 1000);
+    for delay in fixed_points(0x9e37_79b9_7f4a_7c15, 6) {
         let dir = tempfile::tempdir().unwrap();
         let child = kvtier(dir.path(), LONG).spawn().unwrap();
         std::thread::sleep(delay);

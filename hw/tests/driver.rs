@@ -43,24 +43,32 @@ impl TransferEngine for NewestFirst {
     }
 }
 
+/// A driver of 8 one-page slots and no tiers over `engine`; the directory holds its region.
+fn driver(
+    dir: &std::path::Path,
+    engine: impl TransferEngine + 'static,
+    options: DriverOptions,
+) -> Result<Driver, HwError> {
+    let layout = Layout::new(8, 1, PAGE).unwrap();
+    let region = Arc::new(Region::create(&dir.join("region"), layout, 1).unwrap());
+    Driver::new(
+        Config::new(8),
+        region,
+        Box::new(engine),
+        Vec::new(),
+        options,
+    )
+}
+
 /// `kept_results` drops the results that ended first, never the one a `wait` is waiting for.
 #[test]
 fn the_result_being_waited_for_is_not_dropped() {
     let dir = tempfile::tempdir().unwrap();
-    let layout = Layout::new(8, 1, PAGE).unwrap();
-    let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
     let options = DriverOptions {
         kept_results: 2,
         ..DriverOptions::default()
     };
-    let mut driver = Driver::new(
-        Config::new(8),
-        region,
-        Box::new(NewestFirst { held: Vec::new() }),
-        Vec::new(),
-        options,
-    )
-    .unwrap();
+    let mut driver = driver(dir.path(), NewestFirst { held: Vec::new() }, options).unwrap();
     let ids: Vec<_> = (0..3u8)
         .map(|i| {
             driver
@@ -107,20 +115,11 @@ impl TransferEngine for Immediate {
 #[test]
 fn an_unbounded_timeout_does_not_panic() {
     let dir = tempfile::tempdir().unwrap();
-    let layout = Layout::new(8, 1, PAGE).unwrap();
-    let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
     let options = DriverOptions {
         shutdown_timeout: Duration::MAX,
         ..DriverOptions::default()
     };
-    let mut driver = Driver::new(
-        Config::new(8),
-        region,
-        Box::new(Immediate),
-        Vec::new(),
-        options,
-    )
-    .unwrap();
+    let mut driver = driver(dir.path(), Immediate, options).unwrap();
     driver
         .store(RequestId(1), &[(Key::new(b"k"), 0)])
         .unwrap()
@@ -140,20 +139,11 @@ fn an_unbounded_timeout_does_not_panic() {
 #[test]
 fn kept_results_must_keep_one() {
     let dir = tempfile::tempdir().unwrap();
-    let layout = Layout::new(8, 1, PAGE).unwrap();
-    let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
     let options = DriverOptions {
         kept_results: 0,
         ..DriverOptions::default()
     };
-    let err = Driver::new(
-        Config::new(8),
-        region,
-        Box::new(Immediate),
-        Vec::new(),
-        options,
-    )
-    .unwrap_err();
+    let err = driver(dir.path(), Immediate, options).unwrap_err();
     assert!(matches!(err, HwError::Setup(_)), "{err}");
     assert!(err.to_string().contains("kept_results"), "{err}");
 }
