@@ -82,6 +82,13 @@ pub enum RegionError {
         /// Why it is refused.
         reason: String,
     },
+    /// The region's owner died: its file is left for a new owner to sweep and replace, and
+    /// `attach` waited for one until its timeout.
+    #[error("region {path} has no live owner (its creator died); start the owner again")]
+    NoLiveOwner {
+        /// The region file.
+        path: PathBuf,
+    },
     /// `attach` waited too long for the creator.
     #[error("no region appeared at {path} within {waited:?}")]
     AttachTimeout {
@@ -388,6 +395,20 @@ impl Drop for Creation<'_> {
     }
 }
 
+/// The directory and the file name of a region's path; a name kvtier keeps for its own files
+/// (owner records, files being created) is refused.
+fn split(path: &Path) -> Result<(&Path, &std::ffi::OsStr), RegionError> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    match path.file_name() {
+        Some(n) if owner::is_region_name(n) => Ok((dir, n)),
+        Some(_) => Err(bad_name(path, "the name is kept for kvtier's own files")),
+        None => Err(bad_name(path, "the path has no file name")),
+    }
+}
+
 fn untrusted(path: &Path, reason: String) -> RegionError {
     RegionError::Untrusted {
         path: path.to_path_buf(),
@@ -472,15 +493,7 @@ impl Region {
         prefault_threads: usize,
     ) -> Result<Self, RegionError> {
         let total = layout.total_bytes() as u64;
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let name = match path.file_name() {
-            Some(n) if owner::is_region_name(n) => n,
-            Some(_) => return Err(bad_name(path, "the name is kept for kvtier's own files")),
-            None => return Err(bad_name(path, "the path has no file name")),
-        };
+        let (dir, name) = split(path)?;
         match Self::sweep(dir) {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(?removed, "removed the regions of processes that died");
@@ -603,14 +616,23 @@ impl Region {
         prefault_threads: usize,
     ) -> Result<Self, RegionError> {
         let start = Instant::now();
-        let file = loop {
+        let file = Self::open_owned(path, start, timeout)?;
+        let region = Self::map(file, path, layout)?;
+        region.mapping.prefault(prefault_threads);
+        Ok(region)
+    }
+
+    /// Opens the file at `path` for reading and writing, waiting for it to appear until
+    /// `timeout`; a symbolic link or a directory is refused.
+    fn open_untrusted(path: &Path, start: Instant, timeout: Duration) -> Result<File, RegionError> {
+        loop {
             match OpenOptions::new()
                 .read(true)
                 .write(true)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(path)
             {
-                Ok(f) => break f,
+                Ok(f) => return Ok(f),
                 Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
                     return Err(untrusted(path, "it is a symbolic link".into()));
                 }
@@ -628,11 +650,27 @@ impl Region {
                 }
                 Err(e) => return Err(io_err("open", path)(e)),
             }
-        };
-        check_trusted(&file, path)?;
-        let region = Self::map(file, path, layout)?;
-        region.mapping.prefault(prefault_threads);
-        Ok(region)
+        }
+    }
+
+    /// Opens the region at `path` once a live owner holds it: a file left by an owner that
+    /// died is waited past (a new owner sweeps and replaces it) until `timeout`.
+    fn open_owned(path: &Path, start: Instant, timeout: Duration) -> Result<File, RegionError> {
+        let (dir, name) = split(path)?;
+        loop {
+            let file = Self::open_untrusted(path, start, timeout)?;
+            check_trusted(&file, path)?;
+            let md = file.metadata().map_err(io_err("stat", path))?;
+            if owner::has_live_owner(dir, name, &md)? {
+                return Ok(file);
+            }
+            if start.elapsed() >= timeout {
+                return Err(RegionError::NoLiveOwner {
+                    path: path.to_path_buf(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     fn map(file: File, path: &Path, layout: Layout) -> Result<Self, RegionError> {
@@ -1195,6 +1233,21 @@ mod tests {
         );
         drop(region);
         assert_eq!(names(dir.path()), Vec::<String>::new());
+    }
+
+    /// A worker never attaches to a region whose owner died: it waits for a live owner, and
+    /// attaches to the new owner's region once it exists.
+    #[test]
+    fn attach_waits_past_a_dead_owners_region() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d");
+        Child::start("own", &path).kill();
+        assert!(path.exists(), "the killed owner left its region");
+        let err = Region::attach(&path, layout(), Duration::from_millis(50), 1).unwrap_err();
+        assert!(matches!(err, RegionError::NoLiveOwner { .. }), "{err}");
+        let owner = Region::create(&path, layout(), 1).unwrap();
+        Region::attach(&path, layout(), Duration::from_millis(50), 1).unwrap();
+        drop(owner);
     }
 
     fn sorted(mut v: Vec<PathBuf>) -> Vec<PathBuf> {

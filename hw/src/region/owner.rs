@@ -197,6 +197,40 @@ impl Record {
     }
 }
 
+/// Whether the region `dir/name`, opened as `region`, belongs to a live owner: its owner
+/// record is locked (its owner lives) and names this very file. A region whose owner died is
+/// about to be swept and replaced; attaching to it would share memory with nobody.
+pub(super) fn has_live_owner(
+    dir: &Path,
+    name: &OsStr,
+    region: &Metadata,
+) -> Result<bool, RegionError> {
+    let path = dir.join(record_name(name));
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(super::untrusted(&path, "it is a symbolic link".into()));
+        }
+        Err(e) => return Err(io_err("open", &path)(e)),
+    };
+    super::check_trusted(&file, &path)?;
+    let names_this_file = Record::read(&file)
+        .map_err(io_err("read", &path))?
+        .and_then(|r| r.region)
+        .is_some_and(|id| id.same_file(region));
+    // A shared lock is refused while the owner holds its exclusive one: refused means alive.
+    match Flock::lock(file, FlockArg::LockSharedNonblock) {
+        Err((_, Errno::EWOULDBLOCK)) => Ok(names_this_file),
+        Ok(_unlocked_on_drop) => Ok(false),
+        Err((_, e)) => Err(io_err("lock", &path)(e.into())),
+    }
+}
+
 /// The outcome of trying to own a region name.
 pub(super) enum Claim {
     /// This process holds the record's lock.
