@@ -57,11 +57,13 @@ use crate::sync::{Mutex, lock};
 
 pub mod crash;
 mod disk;
+mod group;
 mod sim;
 #[cfg(test)]
 mod tests;
 
 use disk::{DataFile, Dir, LockError, RealDir};
+use group::GroupCommit;
 
 const SUPER_MAGIC: &[u8; 8] = b"KVTIERFS";
 const RECORD_MAGIC: &[u8; 8] = b"KVTBLOCK";
@@ -126,9 +128,12 @@ pub enum FsyncPolicy {
     /// durable: the blocks held when the tier is closed (dropped) cleanly. A power loss may
     /// lose any block stored since it was opened.
     None,
-    /// One `fdatasync` per job: `put_many` (and `put`, a job of one) syncs once after all its
-    /// writes, before it returns; a failed sync fails every block of the call. Acknowledged
-    /// durable: every block `put`/`put_many` returned `Ok` for. The default.
+    /// One `fdatasync` per job at most, shared between concurrent jobs (group commit):
+    /// `put_many` (and `put`, a job of one), after all its writes, waits for a sync that
+    /// started after they completed, and starts one if none is running; jobs that finish
+    /// their writes while a sync runs share the next. A failed sync fails every block of
+    /// every job that relied on it. Acknowledged durable: every block `put`/`put_many`
+    /// returned `Ok` for. The default.
     #[default]
     Batch,
     /// Every write is synced before the call goes on: `put` syncs its block, `put_many` syncs
@@ -255,6 +260,8 @@ pub struct FileStore {
     recovered: Vec<Key>,
     report: OpenReport,
     corrupt_reads: AtomicU64,
+    /// Shares the syncs of concurrent jobs under [`FsyncPolicy::Batch`].
+    group: GroupCommit,
     /// Where a clean close writes the index.
     index_file: Box<dyn DataFile>,
     /// The superblock in force, and its copy.
@@ -598,6 +605,7 @@ impl FileStore {
             recovered: Vec::new(),
             report: OpenReport::default(),
             corrupt_reads: AtomicU64::new(0),
+            group: GroupCommit::default(),
             index_file,
             sup: current,
             slot: 1 - slot,
@@ -1209,7 +1217,7 @@ impl SecondaryStore for FileStore {
         }
         if self.fsync == FsyncPolicy::Batch
             && failed.iter().any(Option::is_none)
-            && let Err(e) = self.file.sync_data()
+            && let Err(e) = self.group.sync(&*self.file)
         {
             // What was written may not be durable: none of it is acknowledged.
             for f in failed.iter_mut().filter(|f| f.is_none()) {
