@@ -15,7 +15,10 @@
 //! ```
 //!
 //! `blocks.kvt.index` holds the index as the last clean close left it (key, record and
-//! sequence number of each block).
+//! sequence number of each block). `blocks.kvt.checkpoint` holds the last checkpoint of the
+//! index written while open: the same, the generation of the superblock the session's open
+//! wrote, and the records that may be written before the next checkpoint; a length and an
+//! xxh3 of it come first.
 //!
 //! **Creation is atomic.** A new tier is built under a temporary name in the same directory
 //! (room reserved, superblock written, synced) and published by a rename, then the directory
@@ -32,14 +35,23 @@
 //!
 //! **Opening** (★6) after a clean close reads the index that close wrote (the superblock
 //! names it by length and checksum). Opening marks the superblock dirty before any write, so
-//! after a crash the superblock names no index and opening reads every record header instead:
-//! a record whose header does not verify (torn by a crash, corrupted on disk) is dropped and
-//! counted in [`OpenReport::corrupt`]. Either way the payload is verified by every read (★1):
+//! after a crash the superblock names no index. Opening then reads the last checkpoint of the
+//! session that crashed and the headers of the records it names, and of no other: a store
+//! takes only records a checkpoint reserved (the next free ones, a sixteenth of the records),
+//! and when none is left it writes and syncs a new checkpoint (the index, the next reserved
+//! records and those of jobs still writing) before it writes a block; records freed meanwhile
+//! wait for the next checkpoint. A block found in a named record replaces the checkpoint's if
+//! its sequence number is higher. With no checkpoint of that session (it crashed before its
+//! first store, or while writing one), opening reads every record header. A record whose
+//! header does not verify (torn by a crash, corrupted on disk) is dropped and counted in
+//! [`OpenReport::corrupt`]; every read checks that the header names the key and the sequence
+//! number the index holds, so a record holding another write is never served. Either way the payload is verified by every read (★1):
 //! a payload torn behind a valid header is found at its first read, fails that read (never
 //! served) and is counted in [`FileStore::corrupt_reads`]. [`FileOptions::verify_at_open`]
 //! verifies every payload at open instead (reading the whole file). A deleted block's record
 //! is only forgotten, and reused by a later write; after a crash, a deleted block whose record
-//! was not reused yet is found again, verified, as if it had never been evicted.
+//! was not reused yet may be found again (when the checkpoint in force still names it, or the
+//! open read every header), verified, as if it had never been evicted.
 //!
 //! **Durability** follows [`FsyncPolicy`].
 
@@ -997,8 +1009,32 @@ impl FileStore {
             latest.insert(key, (seq, record));
         }
         let mut seq = next_seq;
-        for &r in &scan {
-            for (record, outcome) in self.scan(r..r + 1, found_len, false)? {
+        let scan: Vec<u32> = scan.into_iter().collect();
+        // Header reads are small and independent: more threads keep the device busy.
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get() * 8)
+            .clamp(2, 16);
+        let this = &*self;
+        let scanned: Vec<Result<Vec<Scanned>, StoreError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = scan
+                .chunks(scan.len().div_ceil(threads).max(1))
+                .map(|part| {
+                    s.spawn(move || {
+                        let mut out = Vec::with_capacity(part.len());
+                        for &r in part {
+                            out.extend(this.scan(r..r + 1, found_len, false)?);
+                        }
+                        Ok(out)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("scan thread panicked"))
+                .collect()
+        });
+        for part in scanned {
+            for (record, outcome) in part? {
                 match outcome {
                     Ok(Some((key, s))) => {
                         seq = seq.max(s + 1);
