@@ -37,7 +37,8 @@
 //! names it by length and checksum). Opening marks the superblock dirty before any write, so
 //! after a crash the superblock names no index. Opening then reads the last checkpoint of the
 //! session that crashed and the headers of the records it names, and of no other: a store
-//! takes only records a checkpoint reserved (the next free ones, a sixteenth of the records),
+//! takes only records a checkpoint reserved (the next free ones: a sixteenth of the records,
+//! at least 64),
 //! and when none is left it writes and syncs a new checkpoint (the index, the next reserved
 //! records and those of jobs still writing) before it writes a block; records freed meanwhile
 //! wait for the next checkpoint. A block found in a named record replaces the checkpoint's if
@@ -953,7 +954,7 @@ impl FileStore {
     /// Records reserved by a checkpoint: enough that checkpoints are rare, few enough that
     /// reading their headers after a crash is a small part of reading every header.
     fn reserve_count(&self) -> usize {
-        (self.records as usize / 16).max(8)
+        (self.records as usize / 16).max(64)
     }
 
     /// Reserves the next free records and writes a checkpoint naming them, with the records of
