@@ -28,10 +28,18 @@ struct State {
 }
 
 /// Shares syncs between concurrent jobs.
-#[derive(Default)]
 pub(crate) struct GroupCommit {
     state: Mutex<State>,
     done: Condvar,
+}
+
+impl Default for GroupCommit {
+    fn default() -> Self {
+        GroupCommit {
+            state: Mutex::new(State::default()),
+            done: Condvar::new(),
+        }
+    }
 }
 
 impl GroupCommit {
