@@ -1,9 +1,11 @@
 //! Side-by-side bandwidth of kvtier's IO paths against their raw baselines:
 //! - region copies through the host engine vs a plain `memcpy` of the same bytes;
 //! - file tier writes and reads (header, checksum, O_DIRECT) vs raw sequential O_DIRECT IO;
-//! - the file tier's put bandwidth under each fsync policy, for jobs of 1 and 16 blocks;
-//! - opening a 1 GiB file tier after a clean close (its index), after a crash (every record
-//!   header) and verifying every payload (the full scan every open did before), with the page
+//! - the file tier's put bandwidth under each fsync policy, for jobs of 1 and 16 blocks, and
+//!   for jobs of 4 from 4 threads at once (group commit under `Batch`);
+//! - opening a 1 GiB file tier after a clean close (its index), after a crash (its last
+//!   checkpoint and the headers it names; every record header when the session that crashed
+//!   stored nothing) and verifying every payload (the full scan every open did before), with the page
 //!   cache dropped before each open.
 //!
 //! `cargo bench -p kvtier-hw --bench hw_io`; the figures go to docs/performance.md.
@@ -191,6 +193,27 @@ fn fsync(c: &mut Criterion) {
                 })
             });
         }
+        // As a tier's IO threads do: 4 threads storing jobs of 4 at once.
+        let name = format!("{policy}_4_threads_job_4");
+        g.bench_function(BenchmarkId::new(name, block), |b| {
+            b.iter(|| {
+                for k in &keys {
+                    store.delete(k).unwrap();
+                }
+                std::thread::scope(|s| {
+                    for part in keys.chunks(BLOCKS / 4) {
+                        let (store, buf) = (&store, &buf);
+                        s.spawn(move || {
+                            for chunk in part.chunks(4) {
+                                let batch: Vec<(&Key, &[u8])> =
+                                    chunk.iter().map(|k| (k, &buf[..])).collect();
+                                assert!(store.put_many(&batch).iter().all(Result::is_ok));
+                            }
+                        });
+                    }
+                });
+            })
+        });
     }
     g.finish();
 }
@@ -249,18 +272,53 @@ fn open(c: &mut Criterion) {
                     .sum()
             })
         });
-        // After a crash: every record header.
+        // After a crash of a session that stored blocks (so it wrote a checkpoint): the
+        // checkpoint and the headers of the records it reserved. The session deletes and
+        // stores again 1/16 of the blocks, as many as a checkpoint reserves: the most headers
+        // an open after a crash reads.
+        let again: Vec<Key> = (0..(blocks / 16) as u64)
+            .map(|i| Key::new(&i.to_le_bytes()))
+            .collect();
+        let buf = aligned(block);
+        let crash_after_a_store = |store: FileStore| {
+            for k in &again {
+                store.delete(k).unwrap();
+            }
+            for chunk in again.chunks(64) {
+                let batch: Vec<(&Key, &[u8])> = chunk.iter().map(|k| (k, &buf[..])).collect();
+                assert!(store.put_many(&batch).iter().all(Result::is_ok));
+            }
+            store.abandon();
+        };
+        crash_after_a_store(opened(&FileOptions::default()).0);
         g.bench_with_input(BenchmarkId::new("after_crash", block), &block, |b, _| {
             b.iter_custom(|n| {
                 (0..n)
                     .map(|_| {
                         let (store, took) = opened(&FileOptions::default());
-                        store.abandon();
+                        assert!(store.open_report().from_checkpoint);
+                        crash_after_a_store(store);
                         took
                     })
                     .sum()
             })
         });
+        // After a crash of a session that stored nothing (no checkpoint): every header.
+        g.bench_with_input(
+            BenchmarkId::new("after_crash_no_store", block),
+            &block,
+            |b, _| {
+                b.iter_custom(|n| {
+                    (0..n)
+                        .map(|_| {
+                            let (store, took) = opened(&FileOptions::default());
+                            store.abandon();
+                            took
+                        })
+                        .sum()
+                })
+            },
+        );
         // Every payload verified: the full scan every open did before.
         let verify = FileOptions {
             verify_at_open: true,

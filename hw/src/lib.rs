@@ -38,8 +38,8 @@ pub use engine::{
 };
 pub use faulty::{FaultCounts, FaultHandle, Faults, FaultyStore};
 pub use file::{
-    DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, FsyncPolicy, INDEX_FILE, LOCK_FILE,
-    MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
+    CHECKPOINT_FILE, DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, FsyncPolicy, INDEX_FILE,
+    LOCK_FILE, MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
 };
 pub use io::{JobPath, TierDone};
 pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};

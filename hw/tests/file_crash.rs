@@ -19,10 +19,10 @@ proptest! {
 
 /// The scenarios reach the states that matter: crashes in the middle of an operation, under
 /// every policy, with blocks acknowledged durable, records torn at the header (dropped at
-/// open) and behind a valid header (failed at their first read).
+/// open) and behind a valid header (failed at their first read), reopened from a checkpoint.
 #[test]
 fn the_scenarios_reach_torn_records_under_every_policy() {
-    let (mut mid, mut durable, mut dropped, mut torn) = (0, 0, 0, 0);
+    let (mut mid, mut durable, mut dropped, mut torn, mut checkpoint) = (0, 0, 0, 0, 0);
     let mut policies = std::collections::BTreeSet::new();
     for seed in 0..400 {
         let run = kvtier_hw::crash::run_seed(seed).unwrap_or_else(|v| panic!("seed {seed}: {v}"));
@@ -30,6 +30,7 @@ fn the_scenarios_reach_torn_records_under_every_policy() {
         durable += usize::from(run.durable > 0);
         dropped += usize::from(run.dropped_at_open > 0);
         torn += usize::from(run.torn_reads > 0);
+        checkpoint += usize::from(run.from_checkpoint);
         policies.insert(format!("{}", run.policy));
     }
     assert_eq!(policies.len(), 3, "{policies:?}");
@@ -37,6 +38,10 @@ fn the_scenarios_reach_torn_records_under_every_policy() {
     assert!(durable > 40, "{durable} runs with durable blocks");
     assert!(dropped > 1, "{dropped} runs dropped a torn header at open");
     assert!(torn > 5, "{torn} runs failed a torn payload at read");
+    assert!(
+        checkpoint > 40,
+        "{checkpoint} runs reopened from a checkpoint"
+    );
 }
 
 /// The committed corpus of the `file_crash` fuzz target, replayed on stable.

@@ -45,6 +45,9 @@ pub struct CrashRun {
     pub dropped_at_open: usize,
     /// Reads after the crash that failed verification (torn payloads, never served).
     pub torn_reads: u64,
+    /// Whether the reopened tier read a checkpoint and the headers it named (rather than
+    /// every header).
+    pub from_checkpoint: bool,
 }
 
 /// A broken promise.
@@ -294,6 +297,7 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
         recovered: store.open_report().recovered,
         dropped_at_open: store.open_report().corrupt,
         torn_reads: 0,
+        from_checkpoint: store.open_report().from_checkpoint,
     };
     check_after_crash(&store, &m, block, policy, long)?;
     outcome.torn_reads = store.corrupt_reads();

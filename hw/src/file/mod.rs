@@ -15,7 +15,10 @@
 //! ```
 //!
 //! `blocks.kvt.index` holds the index as the last clean close left it (key, record and
-//! sequence number of each block).
+//! sequence number of each block). `blocks.kvt.checkpoint` holds the last checkpoint of the
+//! index written while open: the same, the generation of the superblock the session's open
+//! wrote, and the records that may be written before the next checkpoint; a length and an
+//! xxh3 of it come first.
 //!
 //! **Creation is atomic.** A new tier is built under a temporary name in the same directory
 //! (room reserved, superblock written, synced) and published by a rename, then the directory
@@ -32,14 +35,24 @@
 //!
 //! **Opening** (★6) after a clean close reads the index that close wrote (the superblock
 //! names it by length and checksum). Opening marks the superblock dirty before any write, so
-//! after a crash the superblock names no index and opening reads every record header instead:
-//! a record whose header does not verify (torn by a crash, corrupted on disk) is dropped and
-//! counted in [`OpenReport::corrupt`]. Either way the payload is verified by every read (★1):
+//! after a crash the superblock names no index. Opening then reads the last checkpoint of the
+//! session that crashed and the headers of the records it names, and of no other: a store
+//! takes only records a checkpoint reserved (the next free ones: a sixteenth of the records,
+//! at least 64),
+//! and when none is left it writes and syncs a new checkpoint (the index, the next reserved
+//! records and those of jobs still writing) before it writes a block; records freed meanwhile
+//! wait for the next checkpoint. A block found in a named record replaces the checkpoint's if
+//! its sequence number is higher. With no checkpoint of that session (it crashed before its
+//! first store, or while writing one), opening reads every record header. A record whose
+//! header does not verify (torn by a crash, corrupted on disk) is dropped and counted in
+//! [`OpenReport::corrupt`]; every read checks that the header names the key and the sequence
+//! number the index holds, so a record holding another write is never served. Either way the payload is verified by every read (★1):
 //! a payload torn behind a valid header is found at its first read, fails that read (never
 //! served) and is counted in [`FileStore::corrupt_reads`]. [`FileOptions::verify_at_open`]
 //! verifies every payload at open instead (reading the whole file). A deleted block's record
 //! is only forgotten, and reused by a later write; after a crash, a deleted block whose record
-//! was not reused yet is found again, verified, as if it had never been evicted.
+//! was not reused yet may be found again (when the checkpoint in force still names it, or the
+//! open read every header), verified, as if it had never been evicted.
 //!
 //! **Durability** follows [`FsyncPolicy`].
 
@@ -57,11 +70,13 @@ use crate::sync::{Mutex, lock};
 
 pub mod crash;
 mod disk;
+mod group;
 mod sim;
 #[cfg(test)]
 mod tests;
 
 use disk::{DataFile, Dir, LockError, RealDir};
+use group::GroupCommit;
 
 const SUPER_MAGIC: &[u8; 8] = b"KVTIERFS";
 const RECORD_MAGIC: &[u8; 8] = b"KVTBLOCK";
@@ -87,6 +102,11 @@ pub const TEMP_FILE: &str = "blocks.kvt.new";
 /// The index written at a clean close, read by the next open instead of every header.
 pub const INDEX_FILE: &str = "blocks.kvt.index";
 const INDEX_MAGIC: &[u8; 8] = b"KVTINDEX";
+/// The checkpoint of the index written while the tier is open, read by an open after a crash.
+pub const CHECKPOINT_FILE: &str = "blocks.kvt.checkpoint";
+const CHECKPOINT_MAGIC: &[u8; 8] = b"KVTCHKPT";
+/// Bytes of the checkpoint's header: magic, generation, body length, body checksum.
+const CHECKPOINT_HEADER: usize = 32;
 /// Records written by one `pwritev` at most (two IO vectors each, under `IOV_MAX`).
 const MAX_RUN: usize = 256;
 
@@ -126,9 +146,12 @@ pub enum FsyncPolicy {
     /// durable: the blocks held when the tier is closed (dropped) cleanly. A power loss may
     /// lose any block stored since it was opened.
     None,
-    /// One `fdatasync` per job: `put_many` (and `put`, a job of one) syncs once after all its
-    /// writes, before it returns; a failed sync fails every block of the call. Acknowledged
-    /// durable: every block `put`/`put_many` returned `Ok` for. The default.
+    /// One `fdatasync` per job at most, shared between concurrent jobs (group commit):
+    /// `put_many` (and `put`, a job of one), after all its writes, waits for a sync that
+    /// started after they completed, and starts one if none is running; jobs that finish
+    /// their writes while a sync runs share the next. A failed sync fails every block of
+    /// every job that relied on it. Acknowledged durable: every block `put`/`put_many`
+    /// returned `Ok` for. The default.
     #[default]
     Batch,
     /// Every write is synced before the call goes on: `put` syncs its block, `put_many` syncs
@@ -210,11 +233,17 @@ pub struct OpenReport {
     /// Whether the index came from the one written at the last clean close (no header was
     /// read); otherwise every record header was read (after a crash, or verifying at open).
     pub from_index: bool,
+    /// Whether, after a crash, the index came from the last checkpoint written while the tier
+    /// was open, and only the records it named as the next to be written were read.
+    pub from_checkpoint: bool,
 }
 
 /// A clean-close index: (key, record, sequence number) of each block, and the next sequence
 /// number.
 type Snapshot = (Vec<(Key, u32, u64)>, u64);
+
+/// A checkpoint: the index as a clean-close snapshot, and the records to read after a crash.
+type Checkpoint = (Snapshot, Vec<u32>);
 
 /// One record seen at open: its key and sequence number, empty, or why it was dropped.
 type Scanned = (u32, Result<Option<(Key, u64)>, &'static str>);
@@ -222,7 +251,13 @@ type Scanned = (u32, Result<Option<(Key, u64)>, &'static str>);
 struct Index {
     /// Where each block is: its record and sequence number.
     records: BTreeMap<Key, (u32, u64)>,
+    /// Free records, besides the reserved ones.
     free: BTreeSet<u32>,
+    /// Free records the last checkpoint named as the ones written next: allocation takes
+    /// only these, in order; when none is left, a new checkpoint reserves more.
+    reserved: std::collections::VecDeque<u32>,
+    /// Records taken by jobs not yet settled.
+    inflight: BTreeSet<u32>,
     /// Where the next allocation looks first (next fit: runs of free records are reused in
     /// order, so a job's blocks land side by side).
     cursor: u32,
@@ -230,8 +265,19 @@ struct Index {
 }
 
 impl Index {
+    fn new(records: BTreeMap<Key, (u32, u64)>, free: BTreeSet<u32>, seq: u64) -> Self {
+        Index {
+            records,
+            free,
+            reserved: Default::default(),
+            inflight: BTreeSet::new(),
+            cursor: 0,
+            seq,
+        }
+    }
+
     /// The next free record at or after the cursor, wrapping around.
-    fn take(&mut self) -> Option<u32> {
+    fn take_free(&mut self) -> Option<u32> {
         let r = self
             .free
             .range(self.cursor..)
@@ -241,6 +287,20 @@ impl Index {
         self.free.remove(&r);
         self.cursor = r + 1;
         Some(r)
+    }
+
+    /// Moves up to `n` free records, in allocation order, to the reserved ones.
+    fn reserve(&mut self, n: usize) {
+        while self.reserved.len() < n {
+            let Some(r) = self.take_free() else { break };
+            self.reserved.push_back(r);
+        }
+    }
+
+    /// Gives back a record taken by a job.
+    fn release(&mut self, record: u32) {
+        self.inflight.remove(&record);
+        self.free.insert(record);
     }
 }
 
@@ -255,8 +315,12 @@ pub struct FileStore {
     recovered: Vec<Key>,
     report: OpenReport,
     corrupt_reads: AtomicU64,
+    /// Shares the syncs of concurrent jobs under [`FsyncPolicy::Batch`].
+    group: GroupCommit,
     /// Where a clean close writes the index.
     index_file: Box<dyn DataFile>,
+    /// Where the index is checkpointed while open.
+    checkpoint_file: Box<dyn DataFile>,
     /// The superblock in force, and its copy.
     sup: Super,
     slot: usize,
@@ -577,10 +641,26 @@ impl FileStore {
         if !index_existed {
             dir.sync().map_err(io_err("create", &index_path))?;
         }
+        let checkpoint_path = dir.path().join(CHECKPOINT_FILE);
+        let checkpoint_existed = dir
+            .exists(CHECKPOINT_FILE)
+            .map_err(io_err("stat", &checkpoint_path))?;
+        let (checkpoint_file, _) = dir
+            .open(CHECKPOINT_FILE, true, false)
+            .map_err(io_err("open", &checkpoint_path))?;
+        if !checkpoint_existed {
+            dir.sync().map_err(io_err("create", &checkpoint_path))?;
+        }
         let snapshot = if options.verify_at_open || on_disk.index_len == 0 {
             None
         } else {
             Self::read_index(&*index_file, &on_disk)
+        };
+        // After a crash, the last checkpoint of the session that crashed, if it wrote one.
+        let checkpoint = if options.verify_at_open || on_disk.index_len != 0 {
+            None
+        } else {
+            Self::read_checkpoint(&*checkpoint_file, &on_disk)
         };
         // Before any write, the superblock copy not in use says the tier is open (the index
         // file is about to go stale) and, when it grows, the new record count: a crash
@@ -596,28 +676,29 @@ impl FileStore {
             block_bytes,
             records,
             fsync: options.fsync,
-            index: Mutex::new(Index {
-                records: BTreeMap::new(),
-                free: BTreeSet::new(),
-                cursor: 0,
-                seq: 0,
-            }),
+            index: Mutex::new(Index::new(BTreeMap::new(), BTreeSet::new(), 0)),
             recovered: Vec::new(),
             report: OpenReport::default(),
             corrupt_reads: AtomicU64::new(0),
+            group: GroupCommit::default(),
             index_file,
+            checkpoint_file,
             sup: current,
             slot: 1 - slot,
             // Until the index is built, a failed open must not write it at close.
             abandoned: true,
             _lock: lock,
         };
-        match snapshot {
-            Some(snapshot) => {
+        match (snapshot, checkpoint) {
+            (Some(snapshot), _) => {
                 report.from_index = true;
                 store.load_index(snapshot, on_disk_records, found_len, &mut report);
             }
-            None => store.rebuild(
+            (None, Some(checkpoint)) => {
+                report.from_checkpoint = true;
+                store.load_checkpoint(checkpoint, on_disk_records, found_len, &mut report)?;
+            }
+            (None, None) => store.rebuild(
                 on_disk_records,
                 found_len,
                 options.verify_at_open,
@@ -630,6 +711,7 @@ impl FileStore {
             recovered = report.recovered,
             corrupt = report.corrupt,
             from_index = report.from_index,
+            from_checkpoint = report.from_checkpoint,
             direct_io,
             fsync = %store.fsync,
             "file tier open"
@@ -806,10 +888,16 @@ impl FileStore {
         let mut bytes = vec![0u8; usize::try_from(sup.index_len).ok()?];
         if !read_full(file, &mut [IoSliceMut::new(&mut bytes)], 0).ok()?
             || xxhash_rust::xxh3::xxh3_64(&bytes) != sup.index_sum
-            || bytes.len() < 24
-            || &bytes[0..8] != INDEX_MAGIC
         {
             tracing::warn!("the clean-close index does not verify; reading every header");
+            return None;
+        }
+        Self::parse_snapshot(&bytes, sup).map(|(snapshot, _)| snapshot)
+    }
+
+    /// A snapshot as [`snapshot_bytes`](Self::snapshot_bytes) wrote it, and the bytes it took.
+    fn parse_snapshot(bytes: &[u8], sup: &Super) -> Option<(Snapshot, usize)> {
+        if bytes.len() < 24 || &bytes[0..8] != INDEX_MAGIC {
             return None;
         }
         let count = le_u64(&bytes[8..]) as usize;
@@ -835,12 +923,167 @@ impl FileStore {
             out.push((Key::new(key), record, seq));
             at += 16 + len;
         }
-        Some((out, next_seq))
+        Some(((out, next_seq), at))
+    }
+
+    /// The last checkpoint written by the session that crashed (the superblock in force was
+    /// written by its open: same generation), if it verifies.
+    fn read_checkpoint(file: &dyn DataFile, sup: &Super) -> Option<Checkpoint> {
+        let mut head = [0u8; CHECKPOINT_HEADER];
+        if !read_full(file, &mut [IoSliceMut::new(&mut head)], 0).ok()?
+            || &head[0..8] != CHECKPOINT_MAGIC
+            || le_u64(&head[8..]) != sup.generation
+        {
+            return None;
+        }
+        let mut body = vec![0u8; usize::try_from(le_u64(&head[16..])).ok()?];
+        if !read_full(
+            file,
+            &mut [IoSliceMut::new(&mut body)],
+            CHECKPOINT_HEADER as u64,
+        )
+        .ok()?
+            || xxhash_rust::xxh3::xxh3_64(&body) != le_u64(&head[24..])
+        {
+            tracing::warn!("the checkpoint does not verify; reading every header");
+            return None;
+        }
+        let (snapshot, at) = Self::parse_snapshot(&body, sup)?;
+        let count = le_u64(body.get(at..at + 8)?) as usize;
+        let list = body.get(at + 8..at + 8 + count.checked_mul(4)?)?;
+        let scan: Vec<u32> = list.chunks(4).map(le_u32).collect();
+        if scan.iter().any(|&r| u64::from(r) >= sup.records) {
+            return None;
+        }
+        Some((snapshot, scan))
+    }
+
+    /// Records reserved by a checkpoint: enough that checkpoints are rare, few enough that
+    /// reading their headers after a crash is a small part of reading every header.
+    fn reserve_count(&self) -> usize {
+        (self.records as usize / 16).max(64)
+    }
+
+    /// Reserves the next free records and writes a checkpoint naming them, with the records of
+    /// jobs not settled yet: until the next checkpoint, only those records are written, so
+    /// after a crash they are the only ones whose headers need reading. Synced before any of
+    /// them is written.
+    fn checkpoint(&self, index: &mut Index) -> std::io::Result<()> {
+        index.reserve(self.reserve_count());
+        let mut body = Self::snapshot_bytes(index);
+        let scan: BTreeSet<u32> = index
+            .reserved
+            .iter()
+            .chain(index.inflight.iter())
+            .copied()
+            .collect();
+        body.extend_from_slice(&(scan.len() as u64).to_le_bytes());
+        for r in scan {
+            body.extend_from_slice(&r.to_le_bytes());
+        }
+        let mut bytes = Vec::with_capacity(CHECKPOINT_HEADER + body.len());
+        bytes.extend_from_slice(CHECKPOINT_MAGIC);
+        bytes.extend_from_slice(&self.sup.generation.to_le_bytes());
+        bytes.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
+        bytes.extend_from_slice(&body);
+        let n = self.checkpoint_file.write_at(&[IoSlice::new(&bytes)], 0)?;
+        Self::whole(n, bytes.len())?;
+        self.checkpoint_file.sync_data()
+    }
+
+    /// ★6 after a crash: the index from the last checkpoint, and the headers of the records it
+    /// named as the next to be written (the newest copy of a block wins).
+    fn load_checkpoint(
+        &mut self,
+        checkpoint: Checkpoint,
+        on_disk: u32,
+        found_len: u64,
+        report: &mut OpenReport,
+    ) -> Result<(), StoreError> {
+        let ((entries, next_seq), scan) = checkpoint;
+        let scan: BTreeSet<u32> = scan.into_iter().filter(|&r| r < on_disk).collect();
+        let mut latest: BTreeMap<Key, (u64, u32)> = BTreeMap::new();
+        for (key, record, seq) in entries {
+            if scan.contains(&record) {
+                continue;
+            }
+            if record >= on_disk || self.offset(record) + record_bytes(self.block_bytes) > found_len
+            {
+                // A file cut short since lost the records past its end.
+                report.corrupt += 1;
+                continue;
+            }
+            latest.insert(key, (seq, record));
+        }
+        let mut seq = next_seq;
+        let scan: Vec<u32> = scan.into_iter().collect();
+        // Header reads are small and independent: more threads keep the device busy.
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get() * 8)
+            .clamp(2, 16);
+        let this = &*self;
+        let scanned: Vec<Result<Vec<Scanned>, StoreError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = scan
+                .chunks(scan.len().div_ceil(threads).max(1))
+                .map(|part| {
+                    s.spawn(move || {
+                        let mut out = Vec::with_capacity(part.len());
+                        for &r in part {
+                            out.extend(this.scan(r..r + 1, found_len, false)?);
+                        }
+                        Ok(out)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("scan thread panicked"))
+                .collect()
+        });
+        for part in scanned {
+            for (record, outcome) in part? {
+                match outcome {
+                    Ok(Some((key, s))) => {
+                        seq = seq.max(s + 1);
+                        match latest.get(&key) {
+                            Some(&(older, _)) if older >= s => report.duplicates += 1,
+                            Some(_) => {
+                                report.duplicates += 1;
+                                latest.insert(key, (s, record));
+                            }
+                            None => {
+                                latest.insert(key, (s, record));
+                            }
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(reason) => {
+                        tracing::debug!(record, reason, "record dropped at open");
+                        report.corrupt += 1;
+                    }
+                }
+            }
+        }
+        let mut order: Vec<(u64, &Key)> = latest.iter().map(|(k, &(s, _))| (s, k)).collect();
+        order.sort();
+        self.recovered = order.into_iter().map(|(_, k)| k.clone()).collect();
+        report.recovered = self.recovered.len();
+        let held: BTreeSet<u32> = latest.values().map(|&(_, r)| r).collect();
+        let free = (0..self.records).filter(|r| !held.contains(r)).collect();
+        let records = latest.into_iter().map(|(k, (s, r))| (k, (r, s))).collect();
+        let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
+        *index = Index::new(records, free, seq);
+        Ok(())
     }
 
     /// The index as a clean close writes it.
     fn index_bytes(&self) -> Vec<u8> {
-        let index = lock(&self.index);
+        Self::snapshot_bytes(&lock(&self.index))
+    }
+
+    /// `index` as a clean close writes it.
+    fn snapshot_bytes(index: &Index) -> Vec<u8> {
         let mut out = Vec::with_capacity(24 + index.records.len() * 64);
         out.extend_from_slice(INDEX_MAGIC);
         out.extend_from_slice(&(index.records.len() as u64).to_le_bytes());
@@ -903,12 +1146,11 @@ impl FileStore {
         self.recovered = entries.iter().map(|e| e.0.clone()).collect();
         report.recovered = entries.len();
         let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
-        *index = Index {
-            records: entries.into_iter().map(|(k, r, s)| (k, (r, s))).collect(),
+        *index = Index::new(
+            entries.into_iter().map(|(k, r, s)| (k, (r, s))).collect(),
             free,
-            cursor: 0,
-            seq: next_seq,
-        };
+            next_seq,
+        );
     }
 
     fn offset(&self, record: u32) -> u64 {
@@ -976,12 +1218,7 @@ impl FileStore {
         report.recovered = self.recovered.len();
         free.extend(on_disk..self.records);
         let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
-        *index = Index {
-            records,
-            free,
-            cursor: 0,
-            seq: seq + 1,
-        };
+        *index = Index::new(records, free, seq + 1);
         Ok(())
     }
 
@@ -1167,9 +1404,17 @@ impl SecondaryStore for FileStore {
                     results[i] = Some(Ok(()));
                     continue;
                 }
-                match index.take() {
+                if index.reserved.is_empty()
+                    && !index.free.is_empty()
+                    && let Err(e) = self.checkpoint(&mut index)
+                {
+                    results[i] = Some(Err(io_err("checkpoint", &self.path)(e)));
+                    continue;
+                }
+                match index.reserved.pop_front() {
                     Some(r) => {
                         index.seq += 1;
+                        index.inflight.insert(r);
                         todo.push((r, i, index.seq));
                     }
                     None => {
@@ -1216,7 +1461,7 @@ impl SecondaryStore for FileStore {
         }
         if self.fsync == FsyncPolicy::Batch
             && failed.iter().any(Option::is_none)
-            && let Err(e) = self.file.sync_data()
+            && let Err(e) = self.group.sync(&*self.file)
         {
             // What was written may not be durable: none of it is acknowledged.
             for f in failed.iter_mut().filter(|f| f.is_none()) {
@@ -1228,16 +1473,17 @@ impl SecondaryStore for FileStore {
             let key = blocks[i].0;
             results[i] = Some(match fail {
                 None if !index.records.contains_key(key) => {
+                    index.inflight.remove(&record);
                     index.records.insert(key.clone(), (record, seq));
                     Ok(())
                 }
                 None => {
                     // Stored meanwhile by another job: keep that one.
-                    index.free.insert(record);
+                    index.release(record);
                     Ok(())
                 }
                 Some(e) => {
-                    index.free.insert(record);
+                    index.release(record);
                     Err(io_err("write", &self.path)(e))
                 }
             });
@@ -1273,6 +1519,8 @@ impl SecondaryStore for FileStore {
         }
         let keys: Vec<&Key> = blocks.iter().map(|b| b.0).collect();
         let mut items: Vec<(u32, usize)> = Vec::with_capacity(blocks.len());
+        // The sequence number each block's header must carry.
+        let mut seqs = vec![0u64; blocks.len()];
         {
             let index = lock(&self.index);
             for (i, key) in keys.iter().enumerate() {
@@ -1280,7 +1528,10 @@ impl SecondaryStore for FileStore {
                     continue;
                 }
                 match index.records.get(*key) {
-                    Some(&(r, _)) => items.push((r, i)),
+                    Some(&(r, seq)) => {
+                        seqs[i] = seq;
+                        items.push((r, i));
+                    }
                     None => {
                         results[i] = Some(Err(StoreError::NotFound {
                             key: (*key).clone(),
@@ -1320,6 +1571,11 @@ impl SecondaryStore for FileStore {
                     Ok(true) => match Header::parse(h) {
                         Err(reason) => Err(self.corrupt(key, reason)),
                         Ok(None) => Err(self.corrupt(key, "the record is empty")),
+                        // A record that holds another write of the block (an older one a
+                        // crash left where the index says the newer one is) is never served.
+                        Ok(Some(hd)) if hd.seq != seqs[i] => {
+                            Err(self.corrupt(key, "the record holds another write"))
+                        }
                         Ok(Some(hd)) => hd
                             .verify(Some(key.as_bytes()), b)
                             .map_err(|reason| self.corrupt(key, reason)),

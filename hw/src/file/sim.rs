@@ -3,8 +3,9 @@
 //! the state a power loss could leave: what was synced, plus any part of what was not, at
 //! sector granularity.
 //!
-//! The model: a file's writes and size changes are durable once `sync_data` of that file
-//! returns; before that, each sector a write touched independently keeps its new bytes or
+//! The model: a file's writes and size changes are durable once a `sync_data` of that file
+//! that started after they completed returns (a sync takes time: what is written while it
+//! runs is not covered by it); before that, each sector a write touched independently keeps its new bytes or
 //! not (so a later write to a sector may survive while an earlier one does not: a sector ends
 //! up with one of the versions written to it). Creations, renames and removals are durable
 //! once the directory is synced; before that, a prefix of them survives, in order.
@@ -30,8 +31,10 @@ struct Inode {
     data: Vec<u8>,
     /// What survives a crash for sure.
     durable: Vec<u8>,
-    /// Changes since the last sync, in order.
+    /// Changes not yet synced, in order.
     unsynced: Vec<FileOp>,
+    /// Changes synced so far (counted as they left `unsynced`).
+    synced: u64,
 }
 
 /// A change to the directory not yet synced.
@@ -72,6 +75,8 @@ struct State {
     locked: bool,
     /// Read calls so far (not counted as operations: they change nothing).
     reads: u64,
+    /// `sync_data` calls so far.
+    syncs: u64,
 }
 
 impl State {
@@ -130,6 +135,7 @@ impl SimDir {
                 dir_log: Vec::new(),
                 locked: false,
                 reads: 0,
+                syncs: 0,
             })),
         }
     }
@@ -138,6 +144,21 @@ impl SimDir {
     #[cfg(test)]
     pub(crate) fn reads(&self) -> u64 {
         lock(&self.state).reads
+    }
+
+    /// `sync_data` calls so far.
+    #[cfg(test)]
+    pub(crate) fn syncs(&self) -> u64 {
+        lock(&self.state).syncs
+    }
+
+    /// Whether the bytes `name` holds at `offset..offset + len` are durable as they read now.
+    #[cfg(test)]
+    pub(crate) fn durable_as_read(&self, name: &str, offset: u64, len: usize) -> bool {
+        let s = lock(&self.state);
+        let ino = &s.inodes[s.names[name]];
+        let range = offset as usize..offset as usize + len;
+        ino.durable.get(range.clone()) == ino.data.get(range)
     }
 
     /// Whether the process died.
@@ -212,6 +233,7 @@ impl SimDir {
                     data: img.clone(),
                     durable: img,
                     unsynced: Vec::new(),
+                    synced: 0,
                 }
             })
             .collect();
@@ -228,6 +250,7 @@ impl SimDir {
                 dir_log: Vec::new(),
                 locked: false,
                 reads: 0,
+                syncs: 0,
             })),
         }
     }
@@ -288,11 +311,43 @@ impl DataFile for SimFile {
     }
 
     fn sync_data(&self) -> io::Result<()> {
+        // A sync covers the changes made before it started; it takes time, and what other
+        // threads write meanwhile stays unsynced.
+        let covered = {
+            let mut s = lock(&self.state);
+            s.step()?;
+            s.syncs += 1;
+            let ino = &s.inodes[self.inode];
+            ino.synced + ino.unsynced.len() as u64
+        };
+        std::thread::yield_now();
         let mut s = lock(&self.state);
-        s.step()?;
+        if s.crashed {
+            return Err(dead());
+        }
         let ino = &mut s.inodes[self.inode];
-        ino.durable = ino.data.clone();
-        ino.unsynced.clear();
+        // Syncs may overlap: another may have made some of them durable already.
+        let n = covered.saturating_sub(ino.synced) as usize;
+        ino.synced += n as u64;
+        let done: Vec<FileOp> = ino.unsynced.drain(..n).collect();
+        for op in done {
+            match op {
+                FileOp::Resize(len) => {
+                    let len = len as usize;
+                    if ino.durable.len() < len {
+                        ino.durable.resize(len, 0);
+                    }
+                }
+                FileOp::Write { offset, bytes } => {
+                    let start = offset as usize;
+                    let end = start + bytes.len();
+                    if ino.durable.len() < end {
+                        ino.durable.resize(end, 0);
+                    }
+                    ino.durable[start..end].copy_from_slice(&bytes);
+                }
+            }
+        }
         Ok(())
     }
 
