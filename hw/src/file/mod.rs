@@ -45,7 +45,9 @@
 //! its sequence number is higher. With no checkpoint of that session (it crashed before its
 //! first store, or while writing one), opening reads every record header. A record whose
 //! header does not verify (torn by a crash, corrupted on disk) is dropped and counted in
-//! [`OpenReport::corrupt`]; every read checks that the header names the key and the sequence
+//! [`OpenReport::corrupt`], and its header is cleared (synced unless the policy is
+//! [`FsyncPolicy::None`]) so no later open finds it again; the next sequence number is above
+//! that of every header that verified, dropped records included; every read checks that the header names the key and the sequence
 //! number the index holds, so a record holding another write is never served. Either way the payload is verified by every read (★1):
 //! a payload torn behind a valid header is found at its first read, fails that read (never
 //! served) and is counted in [`FileStore::corrupt_reads`]. [`FileOptions::verify_at_open`]
@@ -245,8 +247,12 @@ type Snapshot = (Vec<(Key, u32, u64)>, u64);
 /// A checkpoint: the index as a clean-close snapshot, and the records to read after a crash.
 type Checkpoint = (Snapshot, Vec<u32>);
 
-/// One record seen at open: its key and sequence number, empty, or why it was dropped.
-type Scanned = (u32, Result<Option<(Key, u64)>, &'static str>);
+/// One record seen at open: its key and sequence number, empty, or why it was dropped (with
+/// the sequence number its header carries when the header verified and the payload did not).
+type Scanned = (u32, Result<Option<(Key, u64)>, Dropped>);
+
+/// Why a record was dropped at open, and its sequence number if its header verified.
+type Dropped = (&'static str, Option<u64>);
 
 struct Index {
     /// Where each block is: its record and sequence number.
@@ -1017,6 +1023,7 @@ impl FileStore {
             latest.insert(key, (seq, record));
         }
         let mut seq = next_seq;
+        let mut dropped = Vec::new();
         let scan: Vec<u32> = scan.into_iter().collect();
         // Header reads are small and independent: more threads keep the device busy.
         let threads = std::thread::available_parallelism()
@@ -1058,13 +1065,19 @@ impl FileStore {
                         }
                     }
                     Ok(None) => {}
-                    Err(reason) => {
+                    Err((reason, s)) => {
                         tracing::debug!(record, reason, "record dropped at open");
                         report.corrupt += 1;
+                        // A later write of its key must win over it.
+                        if let Some(s) = s {
+                            seq = seq.max(s + 1);
+                        }
+                        dropped.push(record);
                     }
                 }
             }
         }
+        self.forget(&dropped)?;
         let mut order: Vec<(u64, &Key)> = latest.iter().map(|(k, &(s, _))| (s, k)).collect();
         order.sort();
         self.recovered = order.into_iter().map(|(_, k)| k.clone()).collect();
@@ -1185,6 +1198,10 @@ impl FileStore {
         });
         let mut found: Vec<(u64, Key, u32)> = Vec::new();
         let mut free = BTreeSet::new();
+        let mut dropped = Vec::new();
+        // The highest sequence number of any header that verified, dropped records included:
+        // a later write of a dropped record's key must win over it.
+        let mut seq = 0;
         for part in scanned {
             for (record, outcome) in part? {
                 match outcome {
@@ -1192,17 +1209,19 @@ impl FileStore {
                     Ok(None) => {
                         free.insert(record);
                     }
-                    Err(reason) => {
+                    Err((reason, s)) => {
                         tracing::debug!(record, reason, "record dropped at open");
                         report.corrupt += 1;
+                        seq = seq.max(s.unwrap_or(0));
                         free.insert(record);
+                        dropped.push(record);
                     }
                 }
             }
         }
+        self.forget(&dropped)?;
         found.sort_by_key(|(seq, _, _)| *seq);
         let mut latest: BTreeMap<Key, (u64, u32)> = BTreeMap::new();
-        let mut seq = 0;
         for (s, key, record) in found {
             seq = seq.max(s);
             if let Some((_, older)) = latest.insert(key, (s, record)) {
@@ -1219,6 +1238,28 @@ impl FileStore {
         free.extend(on_disk..self.records);
         let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
         *index = Index::new(records, free, seq + 1);
+        Ok(())
+    }
+
+    /// Zeroes the headers of records dropped at open (synced unless the policy is
+    /// [`FsyncPolicy::None`]), so that no later open finds one of them again: a dropped record
+    /// whose header verified (its payload did not) would otherwise come back as a block.
+    fn forget(&self, dropped: &[u32]) -> Result<(), StoreError> {
+        if dropped.is_empty() {
+            return Ok(());
+        }
+        let zero = PageBuf::new(PAGE);
+        for &r in dropped {
+            self.file
+                .write_at(&[IoSlice::new(zero.as_slice())], self.offset(r))
+                .and_then(|n| Self::whole(n, PAGE))
+                .map_err(io_err("clear a dropped record", &self.path))?;
+        }
+        if self.fsync != FsyncPolicy::None {
+            self.file
+                .sync_data()
+                .map_err(io_err("clear a dropped record", &self.path))?;
+        }
         Ok(())
     }
 
@@ -1242,23 +1283,24 @@ impl FileStore {
                 // Nothing of it is left: an empty record.
                 Ok(None)
             } else if end > found_len || !read(header.as_mut_slice(), self.offset(r))? {
-                Err("record cut short")
+                Err(("record cut short", None))
             } else {
                 match Header::parse(header.as_slice()) {
                     Ok(Some(h)) if h.payload_len != self.block_bytes as u64 => {
-                        Err("payload length differs")
+                        Err(("payload length differs", Some(h.seq)))
                     }
                     Ok(Some(h)) if !verify => Ok(Some((Key::new(h.key), h.seq))),
                     Ok(Some(h)) => {
                         if read(payload.as_mut_slice(), self.offset(r) + PAGE as u64)? {
                             h.verify(None, payload.as_slice())
                                 .map(|()| Some((Key::new(h.key), h.seq)))
+                                .map_err(|e| (e, Some(h.seq)))
                         } else {
-                            Err("record cut short")
+                            Err(("record cut short", Some(h.seq)))
                         }
                     }
                     Ok(None) => Ok(None),
-                    Err(e) => Err(e),
+                    Err(e) => Err((e, None)),
                 }
             };
             out.push((r, outcome));
