@@ -111,6 +111,9 @@ const CHECKPOINT_MAGIC: &[u8; 8] = b"KVTCHKPT";
 const CHECKPOINT_HEADER: usize = 32;
 /// Records written by one `pwritev` at most (two IO vectors each, under `IOV_MAX`).
 const MAX_RUN: usize = 256;
+/// Bytes of one run at most (Linux moves at most `0x7ffff000` bytes per `preadv`/`pwritev`;
+/// longer runs are moved by several calls anyway, so nothing is gained past this).
+const MAX_RUN_BYTES: u64 = 1 << 30;
 
 /// A page of memory aligned for `O_DIRECT`.
 pub(crate) struct PageBuf {
@@ -392,14 +395,46 @@ fn le_u64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
 }
 
-/// Reads `bufs` at `offset` in full: `Ok(false)` when the file ends first.
+/// Reads `bufs` at `offset` in full, calling `preadv` again after a short count (Linux
+/// moves at most `0x7ffff000` bytes per call): `Ok(false)` when the file ends first.
 fn read_full(
     file: &dyn DataFile,
-    bufs: &mut [IoSliceMut<'_>],
+    mut bufs: &mut [IoSliceMut<'_>],
     offset: u64,
 ) -> std::io::Result<bool> {
-    let want: usize = bufs.iter().map(|b| b.len()).sum();
-    Ok(file.read_at(bufs, offset)? == want)
+    let mut at = offset;
+    IoSliceMut::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = match file.read_at(bufs, at) {
+            Ok(0) => return Ok(false),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        at += n as u64;
+        IoSliceMut::advance_slices(&mut bufs, n);
+    }
+    Ok(true)
+}
+
+/// Writes `bufs` at `offset` in full, calling `pwritev` again after a short count; a call
+/// that writes nothing is [`std::io::ErrorKind::WriteZero`].
+fn write_full(file: &dyn DataFile, bufs: &[IoSlice<'_>], offset: u64) -> std::io::Result<()> {
+    let mut owned: Vec<IoSlice<'_>> = bufs.to_vec();
+    let mut bufs = &mut owned[..];
+    let mut at = offset;
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = match file.write_at(bufs, at) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        at += n as u64;
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
 }
 
 /// A parsed record header.
@@ -750,8 +785,7 @@ impl FileStore {
             let mut page = PageBuf::new(PAGE);
             sup.write(&mut page.as_mut_slice()[..SUPER_COPY]);
             sup.write(&mut page.as_mut_slice()[SUPER_COPY..]);
-            file.write_at(&[IoSlice::new(page.as_slice())], 0)
-                .and_then(|n| Self::whole(n, PAGE))
+            write_full(&*file, &[IoSlice::new(page.as_slice())], 0)
                 .and_then(|()| file.sync_data())
                 .map_err(io_err("write superblock", &temp))
         })();
@@ -763,14 +797,6 @@ impl FileStore {
         dir.rename(TEMP_FILE, DATA_FILE)
             .and_then(|()| dir.sync())
             .map_err(io_err("publish", &dir.path().join(DATA_FILE)))
-    }
-
-    fn whole(written: usize, want: usize) -> std::io::Result<()> {
-        if written == want {
-            Ok(())
-        } else {
-            Err(std::io::ErrorKind::WriteZero.into())
-        }
     }
 
     /// Reserves room for `len` bytes and syncs it, or says there is none.
@@ -882,8 +908,7 @@ impl FileStore {
         read_full(file, &mut [IoSliceMut::new(page.as_mut_slice())], 0)
             .map_err(io_err("read superblock", path))?;
         sup.write(&mut page.as_mut_slice()[slot * SUPER_COPY..(slot + 1) * SUPER_COPY]);
-        file.write_at(&[IoSlice::new(page.as_slice())], 0)
-            .and_then(|n| Self::whole(n, PAGE))
+        write_full(file, &[IoSlice::new(page.as_slice())], 0)
             .and_then(|()| file.sync_data())
             .map_err(io_err("write superblock", path))
     }
@@ -993,8 +1018,7 @@ impl FileStore {
         bytes.extend_from_slice(&(body.len() as u64).to_le_bytes());
         bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
         bytes.extend_from_slice(&body);
-        let n = self.checkpoint_file.write_at(&[IoSlice::new(&bytes)], 0)?;
-        Self::whole(n, bytes.len())?;
+        write_full(&*self.checkpoint_file, &[IoSlice::new(&bytes)], 0)?;
         self.checkpoint_file.sync_data()
     }
 
@@ -1117,8 +1141,7 @@ impl FileStore {
     fn close(&mut self) -> std::io::Result<()> {
         self.file.sync_data()?;
         let bytes = self.index_bytes();
-        let n = self.index_file.write_at(&[IoSlice::new(&bytes)], 0)?;
-        Self::whole(n, bytes.len())?;
+        write_full(&*self.index_file, &[IoSlice::new(&bytes)], 0)?;
         self.index_file.sync_data()?;
         let closed = Super {
             generation: self.sup.generation + 1,
@@ -1250,10 +1273,12 @@ impl FileStore {
         }
         let zero = PageBuf::new(PAGE);
         for &r in dropped {
-            self.file
-                .write_at(&[IoSlice::new(zero.as_slice())], self.offset(r))
-                .and_then(|n| Self::whole(n, PAGE))
-                .map_err(io_err("clear a dropped record", &self.path))?;
+            write_full(
+                &*self.file,
+                &[IoSlice::new(zero.as_slice())],
+                self.offset(r),
+            )
+            .map_err(io_err("clear a dropped record", &self.path))?;
         }
         if self.fsync != FsyncPolicy::None {
             self.file
@@ -1376,8 +1401,7 @@ impl FileStore {
             iov.push(IoSlice::new(&headers[i * PAGE..(i + 1) * PAGE]));
             iov.push(IoSlice::new(b));
         }
-        let n = self.file.write_at(&iov, self.offset(first))?;
-        Self::whole(n, blocks.len() * (PAGE + self.block_bytes))?;
+        write_full(&*self.file, &iov, self.offset(first))?;
         if self.fsync == FsyncPolicy::Write {
             self.file.sync_data()?;
         }
@@ -1394,12 +1418,19 @@ impl FileStore {
     }
 }
 
-/// Splits `records` (sorted) into runs of adjacent records, at most [`MAX_RUN`] each.
-fn runs(records: &[u32]) -> Vec<std::ops::Range<usize>> {
+/// Records of `block_bytes` one run holds at most: [`MAX_RUN`], and [`MAX_RUN_BYTES`] (at
+/// least one record).
+fn max_run(block_bytes: usize) -> usize {
+    let fit = (MAX_RUN_BYTES / record_bytes(block_bytes)).max(1);
+    MAX_RUN.min(usize::try_from(fit).unwrap_or(MAX_RUN))
+}
+
+/// Splits `records` (sorted) into runs of adjacent records, at most `max` each.
+fn runs(records: &[u32], max: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;
     for i in 1..=records.len() {
-        if i == records.len() || records[i] != records[i - 1] + 1 || i - start == MAX_RUN {
+        if i == records.len() || records[i] != records[i - 1] + 1 || i - start == max {
             out.push(start..i);
             start = i;
         }
@@ -1492,7 +1523,7 @@ impl SecondaryStore for FileStore {
         }
         let items: Vec<u32> = todo.iter().map(|t| t.0).collect();
         let mut failed: Vec<Option<std::io::Error>> = todo.iter().map(|_| None).collect();
-        for run in runs(&items) {
+        for run in runs(&items, max_run(self.block_bytes)) {
             let data: Vec<&[u8]> = run.clone().map(payload).collect();
             let hdr = &headers.as_slice()[run.start * PAGE..run.end * PAGE];
             if let Err(e) = self.write_run(items[run.start], hdr, &data) {
@@ -1586,7 +1617,7 @@ impl SecondaryStore for FileStore {
         let records: Vec<u32> = items.iter().map(|t| t.0).collect();
         let mut bufs: Vec<&mut [u8]> = blocks.iter_mut().map(|(_, b)| &mut **b).collect();
         let mut headers = PageBuf::new(items.len() * PAGE);
-        for run in runs(&records) {
+        for run in runs(&records, max_run(self.block_bytes)) {
             let mut hdrs: Vec<&mut [u8]> = headers.as_mut_slice()[run.start * PAGE..run.end * PAGE]
                 .chunks_mut(PAGE)
                 .collect();

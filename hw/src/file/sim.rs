@@ -77,6 +77,9 @@ struct State {
     reads: u64,
     /// `sync_data` calls so far.
     syncs: u64,
+    /// Bytes one read or write call moves at most (a short count past them), as Linux caps
+    /// one `preadv`/`pwritev` at `0x7ffff000` bytes.
+    io_cap: usize,
 }
 
 impl State {
@@ -136,6 +139,7 @@ impl SimDir {
                 locked: false,
                 reads: 0,
                 syncs: 0,
+                io_cap: usize::MAX,
             })),
         }
     }
@@ -159,6 +163,12 @@ impl SimDir {
         let ino = &s.inodes[s.names[name]];
         let range = offset as usize..offset as usize + len;
         ino.durable.get(range.clone()) == ino.data.get(range)
+    }
+
+    /// Makes every read and write call move at most `bytes` (a short count past them).
+    #[cfg(test)]
+    pub(crate) fn cap_io(&self, bytes: usize) {
+        lock(&self.state).io_cap = bytes;
     }
 
     /// Whether the process died.
@@ -251,6 +261,7 @@ impl SimDir {
                 locked: false,
                 reads: 0,
                 syncs: 0,
+                io_cap: usize::MAX,
             })),
         }
     }
@@ -273,11 +284,12 @@ impl DataFile for SimFile {
             return Err(dead());
         }
         s.reads += 1;
+        let cap = s.io_cap;
         let data = &s.inodes[self.inode].data;
         let mut at = offset as usize;
         let mut n = 0;
         for b in bufs.iter_mut() {
-            let take = b.len().min(data.len().saturating_sub(at));
+            let take = b.len().min(data.len().saturating_sub(at)).min(cap - n);
             b[..take].copy_from_slice(&data[at..at + take]);
             n += take;
             at += take;
@@ -293,7 +305,8 @@ impl DataFile for SimFile {
         if s.crashed {
             return Err(dead());
         }
-        let bytes: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        let mut bytes: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        bytes.truncate(s.io_cap);
         // The write reaches the cache even when the process dies right after issuing it.
         let dies = s.step().is_err();
         let ino = &mut s.inodes[self.inode];
