@@ -56,12 +56,16 @@
 //! was not reused yet may be found again (when the checkpoint in force still names it, or the
 //! open read every header), verified, as if it had never been evicted.
 //!
-//! **Durability** follows [`FsyncPolicy`].
+//! **Durability** follows [`FsyncPolicy`]. A failed sync (under any policy, or of
+//! [`FileStore::sync`]) marks the tier failed ([`FileStore::failed`]): Linux reports a
+//! writeback error once, to whichever sync comes first, so no later sync proves anything
+//! durable. From then on every job fails, the health check fails, and closing writes no
+//! clean-close index (the next open reads the headers and verifies what it serves).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{IoSlice, IoSliceMut};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvtier_core::{Key, TierKind};
 use xxhash_rust::xxh3::Xxh3;
@@ -324,8 +328,13 @@ pub struct FileStore {
     recovered: Vec<Key>,
     report: OpenReport,
     corrupt_reads: AtomicU64,
-    /// Shares the syncs of concurrent jobs under [`FsyncPolicy::Batch`].
+    /// Shares the syncs of concurrent jobs under [`FsyncPolicy::Batch`], and runs one sync of
+    /// the data file at a time under every policy.
     group: GroupCommit,
+    /// A sync failed: Linux reports a writeback error once, to whichever sync comes first, so
+    /// no later sync proves anything durable. No job is acknowledged any more, the health
+    /// check fails, and no clean close is written.
+    failed: AtomicBool,
     /// Where a clean close writes the index.
     index_file: Box<dyn DataFile>,
     /// Where the index is checkpointed while open.
@@ -722,6 +731,7 @@ impl FileStore {
             report: OpenReport::default(),
             corrupt_reads: AtomicU64::new(0),
             group: GroupCommit::default(),
+            failed: AtomicBool::new(false),
             index_file,
             checkpoint_file,
             sup: current,
@@ -1019,7 +1029,41 @@ impl FileStore {
         bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
         bytes.extend_from_slice(&body);
         write_full(&*self.checkpoint_file, &[IoSlice::new(&bytes)], 0)?;
-        self.checkpoint_file.sync_data()
+        self.noting_failure(self.checkpoint_file.sync_data())
+    }
+
+    /// `result` of a sync; an error marks the tier failed (see [`FileStore::failed`]).
+    fn noting_failure(&self, result: std::io::Result<()>) -> std::io::Result<()> {
+        if let Err(e) = &result
+            && !self.failed.swap(true, Ordering::SeqCst)
+        {
+            tracing::error!(
+                path = %self.path.display(),
+                error = %e,
+                "a sync failed: no write is acknowledged any more; reopen the tier"
+            );
+        }
+        result
+    }
+
+    /// Syncs the data file (one sync at a time, shared between concurrent callers); an error
+    /// marks the tier failed.
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.group
+            .sync(&|| self.noting_failure(self.file.sync_data()))
+    }
+
+    /// Whether a sync failed since the tier was opened: it then acknowledges no write, its
+    /// health check fails and it is not closed cleanly (the next open reads the headers).
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// The error of a job or check refused because a sync failed earlier.
+    fn failed_error(&self, what: &'static str) -> StoreError {
+        io_err(what, &self.path)(std::io::Error::other(
+            "an earlier sync of the data file failed, so writes since may not be durable; reopen the tier",
+        ))
     }
 
     /// ★6 after a crash: the index from the last checkpoint, and the headers of the records it
@@ -1139,10 +1183,15 @@ impl FileStore {
     /// that names it (so a crash anywhere before leaves a superblock that says "read the
     /// headers").
     fn close(&mut self) -> std::io::Result<()> {
-        self.file.sync_data()?;
+        if self.failed() {
+            return Err(std::io::Error::other(
+                "a sync failed while the tier was open",
+            ));
+        }
+        self.sync_data()?;
         let bytes = self.index_bytes();
         write_full(&*self.index_file, &[IoSlice::new(&bytes)], 0)?;
-        self.index_file.sync_data()?;
+        self.noting_failure(self.index_file.sync_data())?;
         let closed = Super {
             generation: self.sup.generation + 1,
             index_len: bytes.len() as u64,
@@ -1281,8 +1330,7 @@ impl FileStore {
             .map_err(io_err("clear a dropped record", &self.path))?;
         }
         if self.fsync != FsyncPolicy::None {
-            self.file
-                .sync_data()
+            self.sync_data()
                 .map_err(io_err("clear a dropped record", &self.path))?;
         }
         Ok(())
@@ -1375,7 +1423,10 @@ impl FileStore {
 
     /// Makes every write so far durable (`fdatasync`), whatever the policy.
     pub fn sync(&self) -> Result<(), StoreError> {
-        self.file.sync_data().map_err(io_err("sync", &self.path))
+        if self.failed() {
+            return Err(self.failed_error("sync"));
+        }
+        self.sync_data().map_err(io_err("sync", &self.path))
     }
 
     fn check_block(&self, key: &Key, len: usize) -> Result<(), StoreError> {
@@ -1403,7 +1454,7 @@ impl FileStore {
         }
         write_full(&*self.file, &iov, self.offset(first))?;
         if self.fsync == FsyncPolicy::Write {
-            self.file.sync_data()?;
+            self.sync_data()?;
         }
         Ok(())
     }
@@ -1460,6 +1511,12 @@ impl SecondaryStore for FileStore {
     /// Writes the blocks into adjacent free records where there are, one `pwritev` per run
     /// of adjacent records, then syncs as [`FsyncPolicy`] says.
     fn put_many(&self, blocks: &[(&Key, &[u8])]) -> Vec<Result<(), StoreError>> {
+        if self.failed() {
+            return blocks
+                .iter()
+                .map(|_| Err(self.failed_error("write")))
+                .collect();
+        }
         let mut results: Vec<Option<Result<(), StoreError>>> = blocks
             .iter()
             .map(|(k, b)| self.check_block(k, b.len()).err().map(Err))
@@ -1534,11 +1591,20 @@ impl SecondaryStore for FileStore {
         }
         if self.fsync == FsyncPolicy::Batch
             && failed.iter().any(Option::is_none)
-            && let Err(e) = self.group.sync(&*self.file)
+            && let Err(e) = self.sync_data()
         {
             // What was written may not be durable: none of it is acknowledged.
             for f in failed.iter_mut().filter(|f| f.is_none()) {
                 *f = Some(std::io::Error::new(e.kind(), format!("sync: {e}")));
+            }
+        }
+        // A sync failed (this job's or another's): what was written may not be durable, and
+        // no later sync would say so.
+        if self.failed() {
+            for f in failed.iter_mut().filter(|f| f.is_none()) {
+                *f = Some(std::io::Error::other(
+                    "an earlier sync of the data file failed, so writes since may not be durable; reopen the tier",
+                ));
             }
         }
         let mut index = lock(&self.index);
@@ -1678,6 +1744,9 @@ impl SecondaryStore for FileStore {
     }
 
     fn check(&self) -> Result<(), StoreError> {
+        if self.failed() {
+            return Err(self.failed_error("health check"));
+        }
         let mut page = PageBuf::new(PAGE);
         read_full(&*self.file, &mut [IoSliceMut::new(page.as_mut_slice())], 0)
             .map_err(io_err("health check", &self.path))

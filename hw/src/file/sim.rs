@@ -80,6 +80,9 @@ struct State {
     /// Bytes one read or write call moves at most (a short count past them), as Linux caps
     /// one `preadv`/`pwritev` at `0x7ffff000` bytes.
     io_cap: usize,
+    /// The `sync_data` call (counted from 0) that fails with `EIO`, making nothing durable,
+    /// without a crash.
+    failing_sync: Option<u64>,
 }
 
 impl State {
@@ -140,6 +143,7 @@ impl SimDir {
                 reads: 0,
                 syncs: 0,
                 io_cap: usize::MAX,
+                failing_sync: None,
             })),
         }
     }
@@ -169,6 +173,13 @@ impl SimDir {
     #[cfg(test)]
     pub(crate) fn cap_io(&self, bytes: usize) {
         lock(&self.state).io_cap = bytes;
+    }
+
+    /// Makes the `n`-th `sync_data` call (counted from 0, as [`syncs`](Self::syncs) counts)
+    /// fail with `EIO` and make nothing durable; the process lives on.
+    #[cfg(test)]
+    pub(crate) fn fail_sync(&self, n: u64) {
+        lock(&self.state).failing_sync = Some(n);
     }
 
     /// Whether the process died.
@@ -262,6 +273,7 @@ impl SimDir {
                 reads: 0,
                 syncs: 0,
                 io_cap: usize::MAX,
+                failing_sync: None,
             })),
         }
     }
@@ -330,6 +342,9 @@ impl DataFile for SimFile {
             let mut s = lock(&self.state);
             s.step()?;
             s.syncs += 1;
+            if s.failing_sync == Some(s.syncs - 1) {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
             let ino = &s.inodes[self.inode];
             ino.synced + ino.unsynced.len() as u64
         };

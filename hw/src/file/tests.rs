@@ -344,3 +344,33 @@ fn a_run_holds_at_most_a_gibibyte() {
     assert_eq!(runs, vec![0..3, 3..6, 6..9, 9..10]);
     assert_eq!(super::max_run(2 << 30), 1);
 }
+
+/// After a failed sync the tier acknowledges nothing: Linux reports a writeback error once,
+/// to whichever sync comes first, so a later sync that succeeds proves nothing. The next job
+/// fails, the health check fails, and no clean close is written (the next open reads the
+/// headers). Before, the next job was acknowledged durable by a sync that succeeded.
+#[test]
+fn a_failed_sync_fails_the_tier() {
+    let dir = SimDir::new(512, u64::MAX);
+    let store =
+        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    store.put(&Key::new(b"first"), &block(1)).unwrap();
+    store.check().unwrap();
+    dir.fail_sync(dir.syncs());
+    assert!(store.put(&Key::new(b"a"), &block(2)).is_err());
+    assert!(store.failed());
+    let second = store.put(&Key::new(b"b"), &block(3));
+    assert!(second.is_err(), "{second:?}");
+    assert!(!store.contains(&Key::new(b"b")).unwrap());
+    assert!(store.check().is_err());
+    assert!(store.sync().is_err());
+    drop(store);
+    let store =
+        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    assert!(
+        !store.open_report().from_index,
+        "no clean close was written"
+    );
+    assert!(!store.failed());
+    assert!(store.contains(&Key::new(b"first")).unwrap());
+}
