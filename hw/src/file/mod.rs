@@ -1489,6 +1489,24 @@ fn runs(records: &[u32], max: usize) -> Vec<std::ops::Range<usize>> {
     out
 }
 
+/// The error a job's first occurrence of a key got, for a repeat of that key.
+fn same_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Io { what, path, source } => StoreError::Io {
+            what,
+            path: path.clone(),
+            source: std::io::Error::new(source.kind(), source.to_string()),
+        },
+        StoreError::Full { key } => StoreError::Full { key: key.clone() },
+        StoreError::NotFound { key } => StoreError::NotFound { key: key.clone() },
+        StoreError::Corrupt { key, reason } => StoreError::Corrupt {
+            key: key.clone(),
+            reason,
+        },
+        other => StoreError::BadInput(other.to_string()),
+    }
+}
+
 impl SecondaryStore for FileStore {
     fn name(&self) -> &str {
         "file"
@@ -1523,14 +1541,22 @@ impl SecondaryStore for FileStore {
             .collect();
         // (record, position, sequence number) of each block to write.
         let mut todo: Vec<(u32, usize, u64)> = Vec::with_capacity(blocks.len());
+        // A key named again in the job gets the result of its first occurrence: (position,
+        // first occurrence).
+        let mut again: Vec<(usize, usize)> = Vec::new();
         {
             let mut index = lock(&self.index);
-            let mut seen = BTreeSet::new();
+            let mut seen: BTreeMap<&Key, usize> = BTreeMap::new();
             for (i, (key, _)) in blocks.iter().enumerate() {
                 if results[i].is_some() {
                     continue;
                 }
-                if index.records.contains_key(*key) || !seen.insert(*key) {
+                if let Some(&first) = seen.get(*key) {
+                    again.push((i, first));
+                    continue;
+                }
+                seen.insert(*key, i);
+                if index.records.contains_key(*key) {
                     results[i] = Some(Ok(()));
                     continue;
                 }
@@ -1625,6 +1651,14 @@ impl SecondaryStore for FileStore {
                     index.release(record);
                     Err(io_err("write", &self.path)(e))
                 }
+            });
+        }
+        drop(index);
+        for (i, first) in again {
+            results[i] = Some(match &results[first] {
+                Some(Ok(())) => Ok(()),
+                Some(Err(e)) => Err(same_error(e)),
+                None => unreachable!("a first occurrence is settled before its repeats"),
             });
         }
         results

@@ -374,3 +374,29 @@ fn a_failed_sync_fails_the_tier() {
     assert!(!store.failed());
     assert!(store.contains(&Key::new(b"first")).unwrap());
 }
+
+/// A key named twice in one job gets its first occurrence's result for the second: when the
+/// first one's write fails, both fail. Before, the second occurrence was answered `Ok` at
+/// once, for a block the tier does not hold.
+#[test]
+fn a_key_named_twice_in_a_job_gets_its_first_occurrences_result() {
+    let whole = SimDir::new(512, u64::MAX);
+    let opened = FileStore::open_in(
+        &whole,
+        BLOCK,
+        file_len(BLOCK, 8),
+        options(FsyncPolicy::Batch),
+    )
+    .unwrap();
+    let open_ops = whole.ops();
+    drop(opened);
+    // The job's first IO (the checkpoint that reserves its record) fails.
+    let dir = SimDir::new(512, open_ops);
+    let store =
+        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    let k = Key::new(b"k");
+    let b = block(3);
+    let results = store.put_many(&[(&k, &b[..]), (&k, &b[..])]);
+    assert!(!store.contains(&k).unwrap());
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+}
