@@ -1169,7 +1169,8 @@ impl FileStore {
         out.extend_from_slice(INDEX_MAGIC);
         out.extend_from_slice(&(index.records.len() as u64).to_le_bytes());
         out.extend_from_slice(&index.seq.to_le_bytes());
-        // Recency order (oldest first) survives as the blocks' order in the index.
+        // In key order: open recovers the order of writes (oldest first, for the core's
+        // recency) from the sequence numbers.
         for (key, &(record, seq)) in index.records.iter() {
             out.extend_from_slice(&record.to_le_bytes());
             out.extend_from_slice(&(key.len() as u32).to_le_bytes());
