@@ -192,6 +192,12 @@ impl SimDir {
         lock(&self.state).ops
     }
 
+    /// Makes the `n`-th mutating operation from now (from 0) crash.
+    pub(crate) fn crash_after(&self, n: u64) {
+        let mut s = lock(&self.state);
+        s.crash_at = s.ops + n;
+    }
+
     /// Kills the process now (a power loss between two operations).
     pub(crate) fn crash_now(&self) {
         lock(&self.state).crashed = true;
