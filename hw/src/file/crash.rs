@@ -10,6 +10,9 @@
 //! - account its records right: after the crash it takes new blocks until it is full, and
 //!   serves them and the recovered ones back exactly.
 //!
+//! A scenario may go on after the reopen (verifying every payload at open or not) with more
+//! work and a second crash, checked the same way.
+//!
 //! [`run`] reads a scenario from bytes (the `file_crash` fuzz target); [`run_seed`] from a
 //! seed (the proptest in `hw/tests/file_crash.rs`).
 
@@ -48,6 +51,11 @@ pub struct CrashRun {
     /// Whether the reopened tier read a checkpoint and the headers it named (rather than
     /// every header).
     pub from_checkpoint: bool,
+    /// Whether the reopen after the (first) crash verified every payload.
+    pub verified_at_open: bool,
+    /// Whether the reopened tier did more work and crashed again (and was checked after
+    /// both crashes).
+    pub crashed_twice: bool,
 }
 
 /// A broken promise.
@@ -175,6 +183,140 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
         Err(_) if dir.crashed() => None,
         Err(e) => return Err(unexpected("open", e)),
     };
+    play(
+        &mut byte,
+        &dir,
+        &mut store,
+        &mut m,
+        steps,
+        block,
+        &mut records,
+        &options,
+        long,
+    )?;
+    // The power goes out here (if the crash point was not reached yet).
+    let crashed_mid_operation = dir.crashed();
+    let ops = dir.ops();
+    dir.crash_now();
+    drop(store.take());
+    let mut rng = SmallRng::seed_from_u64(tear_seed);
+    let after = dir.after_crash(tear, &mut || rng.random());
+    // Read after the first phase, so that inputs written before these choices existed (they
+    // read as 0 past the end) still describe the scenario they did.
+    let verify_at_open = byte() % 2 == 1;
+    let again = byte() % 2 == 1;
+    let reopened = FileOptions {
+        verify_at_open,
+        ..options
+    };
+    let store = FileStore::open_in(&after, block, cap(records), reopened.clone())
+        .map_err(|e| Violation::Reopen(e.to_string()))?;
+    let mut outcome = CrashRun {
+        policy,
+        ops,
+        crashed_mid_operation,
+        durable: m.durable.len(),
+        recovered: store.open_report().recovered,
+        dropped_at_open: store.open_report().corrupt,
+        torn_reads: 0,
+        from_checkpoint: store.open_report().from_checkpoint,
+        verified_at_open: verify_at_open,
+        crashed_twice: false,
+    };
+    check_after_crash(&store, &m, block, policy, long)?;
+    outcome.torn_reads = store.corrupt_reads();
+    let (store, after, m) = if again {
+        // More work on the reopened tier, and a second crash: what the first reopen did (the
+        // records it dropped, the sequence numbers it chose) must hold up after another.
+        let mut m = settle(&store, &m, block, long)?;
+        let crash_at = u64::from(byte()) % 48;
+        after.crash_after(crash_at);
+        let steps = 1 + byte() % 24;
+        let tear_seed = u64::from_le_bytes(std::array::from_fn(|_| byte()));
+        let third = FileOptions {
+            verify_at_open: byte() % 2 == 1,
+            ..reopened.clone()
+        };
+        let mut store = Some(store);
+        play(
+            &mut byte,
+            &after,
+            &mut store,
+            &mut m,
+            steps,
+            block,
+            &mut records,
+            &reopened,
+            long,
+        )?;
+        after.crash_now();
+        drop(store.take());
+        let mut rng = SmallRng::seed_from_u64(tear_seed);
+        let again = after.after_crash(tear, &mut || rng.random());
+        let store = FileStore::open_in(&again, block, cap(records), third)
+            .map_err(|e| Violation::Reopen(format!("after a second crash: {e}")))?;
+        outcome.crashed_twice = true;
+        outcome.dropped_at_open += store.open_report().corrupt;
+        check_after_crash(&store, &m, block, policy, long)?;
+        outcome.torn_reads += store.corrupt_reads();
+        (store, again, m)
+    } else {
+        (store, after, m)
+    };
+    fill_and_check(&store, &m, block, long)?;
+    if after.names().iter().any(|n| n == super::TEMP_FILE) {
+        return Err(Violation::Unexpected(
+            "a half-created tier was left behind".into(),
+        ));
+    }
+    Ok(outcome)
+}
+
+/// The model of a tier reopened after a crash, as the core would leave it: what it serves
+/// (all of it durable: the crash left nothing unsynced), with every block that fails its read
+/// deleted.
+fn settle(s: &FileStore, m: &Model, block: usize, long: bool) -> Result<Model, Violation> {
+    let mut out = Model {
+        ever: m.ever.clone(),
+        held: BTreeMap::new(),
+        durable: BTreeMap::new(),
+        next_version: m.next_version,
+    };
+    for k in 0..KEYS {
+        let mut buf = vec![0u8; block];
+        match s.get(&key(k, long), &mut buf) {
+            Ok(()) => {
+                let v = m
+                    .which(k, &buf)
+                    .ok_or(Violation::WrongBytes { key: key(k, long) })?;
+                out.held.insert(k, v);
+                out.durable.insert(k, v);
+            }
+            Err(StoreError::NotFound { .. }) => {}
+            Err(StoreError::Corrupt { .. }) => s
+                .delete(&key(k, long))
+                .map_err(|e| unexpected("deleting a torn block", e))?,
+            Err(e) => return Err(unexpected("get after the crash", e)),
+        }
+    }
+    Ok(out)
+}
+
+/// Runs `steps` steps of the scenario against `store` in `dir`, keeping the model.
+#[allow(clippy::too_many_arguments)]
+fn play(
+    byte: &mut dyn FnMut() -> u8,
+    dir: &SimDir,
+    store: &mut Option<FileStore>,
+    m: &mut Model,
+    steps: u8,
+    block: usize,
+    records: &mut u32,
+    options: &FileOptions,
+    long: bool,
+) -> Result<(), Violation> {
+    let policy = options.fsync;
+    let cap = |records: u32| file_len(block, records);
     for _ in 0..steps {
         let Some(s) = store.as_ref() else { break };
         if dir.crashed() {
@@ -218,11 +360,12 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
                     }
                     match r {
                         Err(StoreError::Full { .. })
-                            if held_before + allocated >= records as usize => {}
+                            if held_before + allocated >= *records as usize => {}
                         Err(StoreError::Full { .. }) => {
                             return Err(Violation::Unexpected(format!(
-                                "put answered Full with {} of {records} records used",
-                                held_before + allocated
+                                "put answered Full with {} of {} records used",
+                                held_before + allocated,
+                                *records
                             )));
                         }
                         Ok(()) => {
@@ -262,16 +405,16 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
                     break;
                 }
                 m.durable = m.held.clone();
-                if byte() % 2 == 0 {
-                    records += 1 + u32::from(byte()) % 3;
+                if byte().is_multiple_of(2) {
+                    *records += 1 + u32::from(byte()) % 3;
                 }
-                let s = match FileStore::open_in(&dir, block, cap(records), options.clone()) {
+                let s = match FileStore::open_in(dir, block, cap(*records), options.clone()) {
                     Ok(s) => s,
                     Err(_) if dir.crashed() => break,
                     Err(e) => return Err(unexpected("reopen", e)),
                 };
-                learn_resurrected(&s, &mut m, block, long)?;
-                store = Some(s);
+                learn_resurrected(&s, m, block, long)?;
+                *store = Some(s);
             }
             _ => match s.sync() {
                 Ok(()) => m.durable = m.held.clone(),
@@ -280,34 +423,7 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
             },
         }
     }
-    // The power goes out here (if the crash point was not reached yet).
-    let crashed_mid_operation = dir.crashed();
-    let ops = dir.ops();
-    dir.crash_now();
-    drop(store);
-    let mut rng = SmallRng::seed_from_u64(tear_seed);
-    let after = dir.after_crash(tear, &mut || rng.random());
-    let store = FileStore::open_in(&after, block, cap(records), options)
-        .map_err(|e| Violation::Reopen(e.to_string()))?;
-    let mut outcome = CrashRun {
-        policy,
-        ops,
-        crashed_mid_operation,
-        durable: m.durable.len(),
-        recovered: store.open_report().recovered,
-        dropped_at_open: store.open_report().corrupt,
-        torn_reads: 0,
-        from_checkpoint: store.open_report().from_checkpoint,
-    };
-    check_after_crash(&store, &m, block, policy, long)?;
-    outcome.torn_reads = store.corrupt_reads();
-    fill_and_check(&store, &m, block, long)?;
-    if after.names().iter().any(|n| n == super::TEMP_FILE) {
-        return Err(Violation::Unexpected(
-            "a half-created tier was left behind".into(),
-        ));
-    }
-    Ok(outcome)
+    Ok(())
 }
 
 /// After a clean restart, deleted blocks may be found again: learn which versions.

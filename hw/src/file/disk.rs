@@ -14,9 +14,10 @@ use crate::region::{PAGE, free_bytes, reserve};
 
 /// One open file of the tier.
 pub(crate) trait DataFile: Send + Sync {
-    /// `preadv`: fills `bufs` from `offset`; fewer bytes only at the end of the file.
+    /// `preadv`: fills `bufs` from `offset`; fewer bytes at the end of the file (0 there) or
+    /// past what one call moves (Linux: `0x7ffff000` bytes).
     fn read_at(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<usize>;
-    /// `pwritev`: writes `bufs` at `offset`.
+    /// `pwritev`: writes `bufs` at `offset`; may write fewer bytes than asked.
     fn write_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<usize>;
     /// `fdatasync`: every write before it is durable when it returns.
     fn sync_data(&self) -> io::Result<()>;

@@ -11,7 +11,6 @@
 use std::collections::BTreeMap;
 use std::io;
 
-use super::disk::DataFile;
 use crate::sync::{Condvar, Mutex, lock};
 
 /// The outcome of one sync, as each job it covers sees it.
@@ -43,10 +42,10 @@ impl Default for GroupCommit {
 }
 
 impl GroupCommit {
-    /// Returns once a sync of `file` that started after this call was made has returned, with
-    /// its outcome: the caller's writes, all completed before the call, are then durable (or
-    /// the error says they may not be).
-    pub(crate) fn sync(&self, file: &dyn DataFile) -> io::Result<()> {
+    /// Returns once a call of `sync` (an `fdatasync`) that started after this call was made has
+    /// returned, with its outcome: the caller's writes, all completed before the call, are then
+    /// durable (or the error says they may not be). One `sync` runs at a time.
+    pub(crate) fn sync(&self, sync: &dyn Fn() -> io::Result<()>) -> io::Result<()> {
         let mut st = lock(&self.state);
         st.taken += 1;
         let ticket = st.taken;
@@ -64,7 +63,7 @@ impl GroupCommit {
             st.running = true;
             let upto = st.taken;
             drop(st);
-            let result = file.sync_data();
+            let result = sync();
             st = lock(&self.state);
             st.running = false;
             let outcome: Outcome = result.map_err(|e| (e.kind(), e.to_string()));

@@ -45,7 +45,9 @@
 //! its sequence number is higher. With no checkpoint of that session (it crashed before its
 //! first store, or while writing one), opening reads every record header. A record whose
 //! header does not verify (torn by a crash, corrupted on disk) is dropped and counted in
-//! [`OpenReport::corrupt`]; every read checks that the header names the key and the sequence
+//! [`OpenReport::corrupt`], and its header is cleared (synced unless the policy is
+//! [`FsyncPolicy::None`]) so no later open finds it again; the next sequence number is above
+//! that of every header that verified, dropped records included; every read checks that the header names the key and the sequence
 //! number the index holds, so a record holding another write is never served. Either way the payload is verified by every read (★1):
 //! a payload torn behind a valid header is found at its first read, fails that read (never
 //! served) and is counted in [`FileStore::corrupt_reads`]. [`FileOptions::verify_at_open`]
@@ -54,12 +56,16 @@
 //! was not reused yet may be found again (when the checkpoint in force still names it, or the
 //! open read every header), verified, as if it had never been evicted.
 //!
-//! **Durability** follows [`FsyncPolicy`].
+//! **Durability** follows [`FsyncPolicy`]. A failed sync (under any policy, or of
+//! [`FileStore::sync`]) marks the tier failed ([`FileStore::failed`]): Linux reports a
+//! writeback error once, to whichever sync comes first, so no later sync proves anything
+//! durable. From then on every job fails, the health check fails, and closing writes no
+//! clean-close index (the next open reads the headers and verifies what it serves).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{IoSlice, IoSliceMut};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvtier_core::{Key, TierKind};
 use xxhash_rust::xxh3::Xxh3;
@@ -109,6 +115,9 @@ const CHECKPOINT_MAGIC: &[u8; 8] = b"KVTCHKPT";
 const CHECKPOINT_HEADER: usize = 32;
 /// Records written by one `pwritev` at most (two IO vectors each, under `IOV_MAX`).
 const MAX_RUN: usize = 256;
+/// Bytes of one run at most (Linux moves at most `0x7ffff000` bytes per `preadv`/`pwritev`;
+/// longer runs are moved by several calls anyway, so nothing is gained past this).
+const MAX_RUN_BYTES: u64 = 1 << 30;
 
 /// A page of memory aligned for `O_DIRECT`.
 pub(crate) struct PageBuf {
@@ -245,8 +254,12 @@ type Snapshot = (Vec<(Key, u32, u64)>, u64);
 /// A checkpoint: the index as a clean-close snapshot, and the records to read after a crash.
 type Checkpoint = (Snapshot, Vec<u32>);
 
-/// One record seen at open: its key and sequence number, empty, or why it was dropped.
-type Scanned = (u32, Result<Option<(Key, u64)>, &'static str>);
+/// One record seen at open: its key and sequence number, empty, or why it was dropped (with
+/// the sequence number its header carries when the header verified and the payload did not).
+type Scanned = (u32, Result<Option<(Key, u64)>, Dropped>);
+
+/// Why a record was dropped at open, and its sequence number if its header verified.
+type Dropped = (&'static str, Option<u64>);
 
 struct Index {
     /// Where each block is: its record and sequence number.
@@ -315,8 +328,13 @@ pub struct FileStore {
     recovered: Vec<Key>,
     report: OpenReport,
     corrupt_reads: AtomicU64,
-    /// Shares the syncs of concurrent jobs under [`FsyncPolicy::Batch`].
+    /// Shares the syncs of concurrent jobs under [`FsyncPolicy::Batch`], and runs one sync of
+    /// the data file at a time under every policy.
     group: GroupCommit,
+    /// A sync failed: Linux reports a writeback error once, to whichever sync comes first, so
+    /// no later sync proves anything durable. No job is acknowledged any more, the health
+    /// check fails, and no clean close is written.
+    failed: AtomicBool,
     /// Where a clean close writes the index.
     index_file: Box<dyn DataFile>,
     /// Where the index is checkpointed while open.
@@ -386,14 +404,46 @@ fn le_u64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
 }
 
-/// Reads `bufs` at `offset` in full: `Ok(false)` when the file ends first.
+/// Reads `bufs` at `offset` in full, calling `preadv` again after a short count (Linux
+/// moves at most `0x7ffff000` bytes per call): `Ok(false)` when the file ends first.
 fn read_full(
     file: &dyn DataFile,
-    bufs: &mut [IoSliceMut<'_>],
+    mut bufs: &mut [IoSliceMut<'_>],
     offset: u64,
 ) -> std::io::Result<bool> {
-    let want: usize = bufs.iter().map(|b| b.len()).sum();
-    Ok(file.read_at(bufs, offset)? == want)
+    let mut at = offset;
+    IoSliceMut::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = match file.read_at(bufs, at) {
+            Ok(0) => return Ok(false),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        at += n as u64;
+        IoSliceMut::advance_slices(&mut bufs, n);
+    }
+    Ok(true)
+}
+
+/// Writes `bufs` at `offset` in full, calling `pwritev` again after a short count; a call
+/// that writes nothing is [`std::io::ErrorKind::WriteZero`].
+fn write_full(file: &dyn DataFile, bufs: &[IoSlice<'_>], offset: u64) -> std::io::Result<()> {
+    let mut owned: Vec<IoSlice<'_>> = bufs.to_vec();
+    let mut bufs = &mut owned[..];
+    let mut at = offset;
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = match file.write_at(bufs, at) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        at += n as u64;
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
 }
 
 /// A parsed record header.
@@ -681,6 +731,7 @@ impl FileStore {
             report: OpenReport::default(),
             corrupt_reads: AtomicU64::new(0),
             group: GroupCommit::default(),
+            failed: AtomicBool::new(false),
             index_file,
             checkpoint_file,
             sup: current,
@@ -744,8 +795,7 @@ impl FileStore {
             let mut page = PageBuf::new(PAGE);
             sup.write(&mut page.as_mut_slice()[..SUPER_COPY]);
             sup.write(&mut page.as_mut_slice()[SUPER_COPY..]);
-            file.write_at(&[IoSlice::new(page.as_slice())], 0)
-                .and_then(|n| Self::whole(n, PAGE))
+            write_full(&*file, &[IoSlice::new(page.as_slice())], 0)
                 .and_then(|()| file.sync_data())
                 .map_err(io_err("write superblock", &temp))
         })();
@@ -757,14 +807,6 @@ impl FileStore {
         dir.rename(TEMP_FILE, DATA_FILE)
             .and_then(|()| dir.sync())
             .map_err(io_err("publish", &dir.path().join(DATA_FILE)))
-    }
-
-    fn whole(written: usize, want: usize) -> std::io::Result<()> {
-        if written == want {
-            Ok(())
-        } else {
-            Err(std::io::ErrorKind::WriteZero.into())
-        }
     }
 
     /// Reserves room for `len` bytes and syncs it, or says there is none.
@@ -876,8 +918,7 @@ impl FileStore {
         read_full(file, &mut [IoSliceMut::new(page.as_mut_slice())], 0)
             .map_err(io_err("read superblock", path))?;
         sup.write(&mut page.as_mut_slice()[slot * SUPER_COPY..(slot + 1) * SUPER_COPY]);
-        file.write_at(&[IoSlice::new(page.as_slice())], 0)
-            .and_then(|n| Self::whole(n, PAGE))
+        write_full(file, &[IoSlice::new(page.as_slice())], 0)
             .and_then(|()| file.sync_data())
             .map_err(io_err("write superblock", path))
     }
@@ -987,9 +1028,42 @@ impl FileStore {
         bytes.extend_from_slice(&(body.len() as u64).to_le_bytes());
         bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
         bytes.extend_from_slice(&body);
-        let n = self.checkpoint_file.write_at(&[IoSlice::new(&bytes)], 0)?;
-        Self::whole(n, bytes.len())?;
-        self.checkpoint_file.sync_data()
+        write_full(&*self.checkpoint_file, &[IoSlice::new(&bytes)], 0)?;
+        self.noting_failure(self.checkpoint_file.sync_data())
+    }
+
+    /// `result` of a sync; an error marks the tier failed (see [`FileStore::failed`]).
+    fn noting_failure(&self, result: std::io::Result<()>) -> std::io::Result<()> {
+        if let Err(e) = &result
+            && !self.failed.swap(true, Ordering::SeqCst)
+        {
+            tracing::error!(
+                path = %self.path.display(),
+                error = %e,
+                "a sync failed: no write is acknowledged any more; reopen the tier"
+            );
+        }
+        result
+    }
+
+    /// Syncs the data file (one sync at a time, shared between concurrent callers); an error
+    /// marks the tier failed.
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.group
+            .sync(&|| self.noting_failure(self.file.sync_data()))
+    }
+
+    /// Whether a sync failed since the tier was opened: it then acknowledges no write, its
+    /// health check fails and it is not closed cleanly (the next open reads the headers).
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// The error of a job or check refused because a sync failed earlier.
+    fn failed_error(&self, what: &'static str) -> StoreError {
+        io_err(what, &self.path)(std::io::Error::other(
+            "an earlier sync of the data file failed, so writes since may not be durable; reopen the tier",
+        ))
     }
 
     /// ★6 after a crash: the index from the last checkpoint, and the headers of the records it
@@ -1017,6 +1091,7 @@ impl FileStore {
             latest.insert(key, (seq, record));
         }
         let mut seq = next_seq;
+        let mut dropped = Vec::new();
         let scan: Vec<u32> = scan.into_iter().collect();
         // Header reads are small and independent: more threads keep the device busy.
         let threads = std::thread::available_parallelism()
@@ -1058,13 +1133,19 @@ impl FileStore {
                         }
                     }
                     Ok(None) => {}
-                    Err(reason) => {
+                    Err((reason, s)) => {
                         tracing::debug!(record, reason, "record dropped at open");
                         report.corrupt += 1;
+                        // A later write of its key must win over it.
+                        if let Some(s) = s {
+                            seq = seq.max(s + 1);
+                        }
+                        dropped.push(record);
                     }
                 }
             }
         }
+        self.forget(&dropped)?;
         let mut order: Vec<(u64, &Key)> = latest.iter().map(|(k, &(s, _))| (s, k)).collect();
         order.sort();
         self.recovered = order.into_iter().map(|(_, k)| k.clone()).collect();
@@ -1088,7 +1169,8 @@ impl FileStore {
         out.extend_from_slice(INDEX_MAGIC);
         out.extend_from_slice(&(index.records.len() as u64).to_le_bytes());
         out.extend_from_slice(&index.seq.to_le_bytes());
-        // Recency order (oldest first) survives as the blocks' order in the index.
+        // In key order: open recovers the order of writes (oldest first, for the core's
+        // recency) from the sequence numbers.
         for (key, &(record, seq)) in index.records.iter() {
             out.extend_from_slice(&record.to_le_bytes());
             out.extend_from_slice(&(key.len() as u32).to_le_bytes());
@@ -1102,11 +1184,15 @@ impl FileStore {
     /// that names it (so a crash anywhere before leaves a superblock that says "read the
     /// headers").
     fn close(&mut self) -> std::io::Result<()> {
-        self.file.sync_data()?;
+        if self.failed() {
+            return Err(std::io::Error::other(
+                "a sync failed while the tier was open",
+            ));
+        }
+        self.sync_data()?;
         let bytes = self.index_bytes();
-        let n = self.index_file.write_at(&[IoSlice::new(&bytes)], 0)?;
-        Self::whole(n, bytes.len())?;
-        self.index_file.sync_data()?;
+        write_full(&*self.index_file, &[IoSlice::new(&bytes)], 0)?;
+        self.noting_failure(self.index_file.sync_data())?;
         let closed = Super {
             generation: self.sup.generation + 1,
             index_len: bytes.len() as u64,
@@ -1185,6 +1271,10 @@ impl FileStore {
         });
         let mut found: Vec<(u64, Key, u32)> = Vec::new();
         let mut free = BTreeSet::new();
+        let mut dropped = Vec::new();
+        // The highest sequence number of any header that verified, dropped records included:
+        // a later write of a dropped record's key must win over it.
+        let mut seq = 0;
         for part in scanned {
             for (record, outcome) in part? {
                 match outcome {
@@ -1192,17 +1282,19 @@ impl FileStore {
                     Ok(None) => {
                         free.insert(record);
                     }
-                    Err(reason) => {
+                    Err((reason, s)) => {
                         tracing::debug!(record, reason, "record dropped at open");
                         report.corrupt += 1;
+                        seq = seq.max(s.unwrap_or(0));
                         free.insert(record);
+                        dropped.push(record);
                     }
                 }
             }
         }
+        self.forget(&dropped)?;
         found.sort_by_key(|(seq, _, _)| *seq);
         let mut latest: BTreeMap<Key, (u64, u32)> = BTreeMap::new();
-        let mut seq = 0;
         for (s, key, record) in found {
             seq = seq.max(s);
             if let Some((_, older)) = latest.insert(key, (s, record)) {
@@ -1219,6 +1311,29 @@ impl FileStore {
         free.extend(on_disk..self.records);
         let index = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
         *index = Index::new(records, free, seq + 1);
+        Ok(())
+    }
+
+    /// Zeroes the headers of records dropped at open (synced unless the policy is
+    /// [`FsyncPolicy::None`]), so that no later open finds one of them again: a dropped record
+    /// whose header verified (its payload did not) would otherwise come back as a block.
+    fn forget(&self, dropped: &[u32]) -> Result<(), StoreError> {
+        if dropped.is_empty() {
+            return Ok(());
+        }
+        let zero = PageBuf::new(PAGE);
+        for &r in dropped {
+            write_full(
+                &*self.file,
+                &[IoSlice::new(zero.as_slice())],
+                self.offset(r),
+            )
+            .map_err(io_err("clear a dropped record", &self.path))?;
+        }
+        if self.fsync != FsyncPolicy::None {
+            self.sync_data()
+                .map_err(io_err("clear a dropped record", &self.path))?;
+        }
         Ok(())
     }
 
@@ -1242,23 +1357,24 @@ impl FileStore {
                 // Nothing of it is left: an empty record.
                 Ok(None)
             } else if end > found_len || !read(header.as_mut_slice(), self.offset(r))? {
-                Err("record cut short")
+                Err(("record cut short", None))
             } else {
                 match Header::parse(header.as_slice()) {
                     Ok(Some(h)) if h.payload_len != self.block_bytes as u64 => {
-                        Err("payload length differs")
+                        Err(("payload length differs", Some(h.seq)))
                     }
                     Ok(Some(h)) if !verify => Ok(Some((Key::new(h.key), h.seq))),
                     Ok(Some(h)) => {
                         if read(payload.as_mut_slice(), self.offset(r) + PAGE as u64)? {
                             h.verify(None, payload.as_slice())
                                 .map(|()| Some((Key::new(h.key), h.seq)))
+                                .map_err(|e| (e, Some(h.seq)))
                         } else {
-                            Err("record cut short")
+                            Err(("record cut short", Some(h.seq)))
                         }
                     }
                     Ok(None) => Ok(None),
-                    Err(e) => Err(e),
+                    Err(e) => Err((e, None)),
                 }
             };
             out.push((r, outcome));
@@ -1308,7 +1424,10 @@ impl FileStore {
 
     /// Makes every write so far durable (`fdatasync`), whatever the policy.
     pub fn sync(&self) -> Result<(), StoreError> {
-        self.file.sync_data().map_err(io_err("sync", &self.path))
+        if self.failed() {
+            return Err(self.failed_error("sync"));
+        }
+        self.sync_data().map_err(io_err("sync", &self.path))
     }
 
     fn check_block(&self, key: &Key, len: usize) -> Result<(), StoreError> {
@@ -1334,10 +1453,9 @@ impl FileStore {
             iov.push(IoSlice::new(&headers[i * PAGE..(i + 1) * PAGE]));
             iov.push(IoSlice::new(b));
         }
-        let n = self.file.write_at(&iov, self.offset(first))?;
-        Self::whole(n, blocks.len() * (PAGE + self.block_bytes))?;
+        write_full(&*self.file, &iov, self.offset(first))?;
         if self.fsync == FsyncPolicy::Write {
-            self.file.sync_data()?;
+            self.sync_data()?;
         }
         Ok(())
     }
@@ -1352,17 +1470,42 @@ impl FileStore {
     }
 }
 
-/// Splits `records` (sorted) into runs of adjacent records, at most [`MAX_RUN`] each.
-fn runs(records: &[u32]) -> Vec<std::ops::Range<usize>> {
+/// Records of `block_bytes` one run holds at most: [`MAX_RUN`], and [`MAX_RUN_BYTES`] (at
+/// least one record).
+fn max_run(block_bytes: usize) -> usize {
+    let fit = (MAX_RUN_BYTES / record_bytes(block_bytes)).max(1);
+    MAX_RUN.min(usize::try_from(fit).unwrap_or(MAX_RUN))
+}
+
+/// Splits `records` (sorted) into runs of adjacent records, at most `max` each.
+fn runs(records: &[u32], max: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;
     for i in 1..=records.len() {
-        if i == records.len() || records[i] != records[i - 1] + 1 || i - start == MAX_RUN {
+        if i == records.len() || records[i] != records[i - 1] + 1 || i - start == max {
             out.push(start..i);
             start = i;
         }
     }
     out
+}
+
+/// The error a job's first occurrence of a key got, for a repeat of that key.
+fn same_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Io { what, path, source } => StoreError::Io {
+            what,
+            path: path.clone(),
+            source: std::io::Error::new(source.kind(), source.to_string()),
+        },
+        StoreError::Full { key } => StoreError::Full { key: key.clone() },
+        StoreError::NotFound { key } => StoreError::NotFound { key: key.clone() },
+        StoreError::Corrupt { key, reason } => StoreError::Corrupt {
+            key: key.clone(),
+            reason,
+        },
+        other => StoreError::BadInput(other.to_string()),
+    }
 }
 
 impl SecondaryStore for FileStore {
@@ -1387,20 +1530,34 @@ impl SecondaryStore for FileStore {
     /// Writes the blocks into adjacent free records where there are, one `pwritev` per run
     /// of adjacent records, then syncs as [`FsyncPolicy`] says.
     fn put_many(&self, blocks: &[(&Key, &[u8])]) -> Vec<Result<(), StoreError>> {
+        if self.failed() {
+            return blocks
+                .iter()
+                .map(|_| Err(self.failed_error("write")))
+                .collect();
+        }
         let mut results: Vec<Option<Result<(), StoreError>>> = blocks
             .iter()
             .map(|(k, b)| self.check_block(k, b.len()).err().map(Err))
             .collect();
         // (record, position, sequence number) of each block to write.
         let mut todo: Vec<(u32, usize, u64)> = Vec::with_capacity(blocks.len());
+        // A key named again in the job gets the result of its first occurrence: (position,
+        // first occurrence).
+        let mut again: Vec<(usize, usize)> = Vec::new();
         {
             let mut index = lock(&self.index);
-            let mut seen = BTreeSet::new();
+            let mut seen: BTreeMap<&Key, usize> = BTreeMap::new();
             for (i, (key, _)) in blocks.iter().enumerate() {
                 if results[i].is_some() {
                     continue;
                 }
-                if index.records.contains_key(*key) || !seen.insert(*key) {
+                if let Some(&first) = seen.get(*key) {
+                    again.push((i, first));
+                    continue;
+                }
+                seen.insert(*key, i);
+                if index.records.contains_key(*key) {
                     results[i] = Some(Ok(()));
                     continue;
                 }
@@ -1450,7 +1607,7 @@ impl SecondaryStore for FileStore {
         }
         let items: Vec<u32> = todo.iter().map(|t| t.0).collect();
         let mut failed: Vec<Option<std::io::Error>> = todo.iter().map(|_| None).collect();
-        for run in runs(&items) {
+        for run in runs(&items, max_run(self.block_bytes)) {
             let data: Vec<&[u8]> = run.clone().map(payload).collect();
             let hdr = &headers.as_slice()[run.start * PAGE..run.end * PAGE];
             if let Err(e) = self.write_run(items[run.start], hdr, &data) {
@@ -1461,11 +1618,20 @@ impl SecondaryStore for FileStore {
         }
         if self.fsync == FsyncPolicy::Batch
             && failed.iter().any(Option::is_none)
-            && let Err(e) = self.group.sync(&*self.file)
+            && let Err(e) = self.sync_data()
         {
             // What was written may not be durable: none of it is acknowledged.
             for f in failed.iter_mut().filter(|f| f.is_none()) {
                 *f = Some(std::io::Error::new(e.kind(), format!("sync: {e}")));
+            }
+        }
+        // A sync failed (this job's or another's): what was written may not be durable, and
+        // no later sync would say so.
+        if self.failed() {
+            for f in failed.iter_mut().filter(|f| f.is_none()) {
+                *f = Some(std::io::Error::other(
+                    "an earlier sync of the data file failed, so writes since may not be durable; reopen the tier",
+                ));
             }
         }
         let mut index = lock(&self.index);
@@ -1486,6 +1652,14 @@ impl SecondaryStore for FileStore {
                     index.release(record);
                     Err(io_err("write", &self.path)(e))
                 }
+            });
+        }
+        drop(index);
+        for (i, first) in again {
+            results[i] = Some(match &results[first] {
+                Some(Ok(())) => Ok(()),
+                Some(Err(e)) => Err(same_error(e)),
+                None => unreachable!("a first occurrence is settled before its repeats"),
             });
         }
         results
@@ -1544,7 +1718,7 @@ impl SecondaryStore for FileStore {
         let records: Vec<u32> = items.iter().map(|t| t.0).collect();
         let mut bufs: Vec<&mut [u8]> = blocks.iter_mut().map(|(_, b)| &mut **b).collect();
         let mut headers = PageBuf::new(items.len() * PAGE);
-        for run in runs(&records) {
+        for run in runs(&records, max_run(self.block_bytes)) {
             let mut hdrs: Vec<&mut [u8]> = headers.as_mut_slice()[run.start * PAGE..run.end * PAGE]
                 .chunks_mut(PAGE)
                 .collect();
@@ -1605,6 +1779,9 @@ impl SecondaryStore for FileStore {
     }
 
     fn check(&self) -> Result<(), StoreError> {
+        if self.failed() {
+            return Err(self.failed_error("health check"));
+        }
         let mut page = PageBuf::new(PAGE);
         read_full(&*self.file, &mut [IoSliceMut::new(page.as_mut_slice())], 0)
             .map_err(io_err("health check", &self.path))

@@ -77,6 +77,12 @@ struct State {
     reads: u64,
     /// `sync_data` calls so far.
     syncs: u64,
+    /// Bytes one read or write call moves at most (a short count past them), as Linux caps
+    /// one `preadv`/`pwritev` at `0x7ffff000` bytes.
+    io_cap: usize,
+    /// The `sync_data` call (counted from 0) that fails with `EIO`, making nothing durable,
+    /// without a crash.
+    failing_sync: Option<u64>,
 }
 
 impl State {
@@ -136,6 +142,8 @@ impl SimDir {
                 locked: false,
                 reads: 0,
                 syncs: 0,
+                io_cap: usize::MAX,
+                failing_sync: None,
             })),
         }
     }
@@ -161,6 +169,19 @@ impl SimDir {
         ino.durable.get(range.clone()) == ino.data.get(range)
     }
 
+    /// Makes every read and write call move at most `bytes` (a short count past them).
+    #[cfg(test)]
+    pub(crate) fn cap_io(&self, bytes: usize) {
+        lock(&self.state).io_cap = bytes;
+    }
+
+    /// Makes the `n`-th `sync_data` call (counted from 0, as [`syncs`](Self::syncs) counts)
+    /// fail with `EIO` and make nothing durable; the process lives on.
+    #[cfg(test)]
+    pub(crate) fn fail_sync(&self, n: u64) {
+        lock(&self.state).failing_sync = Some(n);
+    }
+
     /// Whether the process died.
     pub(crate) fn crashed(&self) -> bool {
         lock(&self.state).crashed
@@ -169,6 +190,12 @@ impl SimDir {
     /// Mutating operations counted so far.
     pub(crate) fn ops(&self) -> u64 {
         lock(&self.state).ops
+    }
+
+    /// Makes the `n`-th mutating operation from now (from 0) crash.
+    pub(crate) fn crash_after(&self, n: u64) {
+        let mut s = lock(&self.state);
+        s.crash_at = s.ops + n;
     }
 
     /// Kills the process now (a power loss between two operations).
@@ -251,6 +278,8 @@ impl SimDir {
                 locked: false,
                 reads: 0,
                 syncs: 0,
+                io_cap: usize::MAX,
+                failing_sync: None,
             })),
         }
     }
@@ -273,11 +302,12 @@ impl DataFile for SimFile {
             return Err(dead());
         }
         s.reads += 1;
+        let cap = s.io_cap;
         let data = &s.inodes[self.inode].data;
         let mut at = offset as usize;
         let mut n = 0;
         for b in bufs.iter_mut() {
-            let take = b.len().min(data.len().saturating_sub(at));
+            let take = b.len().min(data.len().saturating_sub(at)).min(cap - n);
             b[..take].copy_from_slice(&data[at..at + take]);
             n += take;
             at += take;
@@ -293,7 +323,8 @@ impl DataFile for SimFile {
         if s.crashed {
             return Err(dead());
         }
-        let bytes: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        let mut bytes: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        bytes.truncate(s.io_cap);
         // The write reaches the cache even when the process dies right after issuing it.
         let dies = s.step().is_err();
         let ino = &mut s.inodes[self.inode];
@@ -317,6 +348,9 @@ impl DataFile for SimFile {
             let mut s = lock(&self.state);
             s.step()?;
             s.syncs += 1;
+            if s.failing_sync == Some(s.syncs - 1) {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
             let ino = &s.inodes[self.inode];
             ino.synced + ino.unsynced.len() as u64
         };

@@ -285,3 +285,118 @@ fn opening_after_a_crash_reads_the_checkpoint_and_few_headers() {
         assert_eq!(out.as_slice(), &block(want)[..], "block {i}");
     }
 }
+
+/// A read or write call that moves fewer bytes than asked (Linux moves at most `0x7ffff000`
+/// bytes per `preadv`/`pwritev`, so every run over 2 GiB gets a short count) is called again
+/// for the rest: the job is stored and read back whole. Before, a short write failed the job
+/// (`WriteZero`) and a short read failed as a torn block.
+#[test]
+fn short_reads_and_writes_are_completed() {
+    let dir = SimDir::new(512, u64::MAX);
+    let store = FileStore::open_in(
+        &dir,
+        BLOCK,
+        file_len(BLOCK, 16),
+        options(FsyncPolicy::Batch),
+    )
+    .unwrap();
+    store.put(&Key::new(b"first"), &block(9)).unwrap();
+    dir.cap_io(3 * 1000);
+    let keys: Vec<Key> = (0..4u8).map(|i| Key::new(&[i])).collect();
+    let blocks: Vec<Vec<u8>> = (0..4u8).map(block).collect();
+    let batch: Vec<(&Key, &[u8])> = keys.iter().zip(&blocks).map(|(k, b)| (k, &b[..])).collect();
+    let results = store.put_many(&batch);
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let mut out: Vec<PageBuf> = (0..4).map(|_| PageBuf::new(BLOCK)).collect();
+    let mut want: Vec<(&Key, &mut [u8])> = keys
+        .iter()
+        .zip(out.iter_mut())
+        .map(|(k, b)| (k, b.as_mut_slice()))
+        .collect();
+    let results = store.get_many(&mut want);
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    for (o, b) in out.iter().zip(&blocks) {
+        assert_eq!(o.as_slice(), &b[..]);
+    }
+    assert_eq!(store.corrupt_reads(), 0);
+    // Closed cleanly (index and superblock written in pieces) and opened again from the index.
+    drop(store);
+    let store = FileStore::open_in(
+        &dir,
+        BLOCK,
+        file_len(BLOCK, 16),
+        options(FsyncPolicy::Batch),
+    )
+    .unwrap();
+    assert!(store.open_report().from_index);
+    assert_eq!(store.len(), 5);
+}
+
+/// A run holds at most 1 GiB as well as at most `MAX_RUN` records, so no single call is asked
+/// to move more than Linux moves at once.
+#[test]
+fn a_run_holds_at_most_a_gibibyte() {
+    let records: Vec<u32> = (0..10).collect();
+    assert_eq!(super::runs(&records, super::max_run(PAGE)).len(), 1);
+    let big = 256 << 20; // 256 MiB blocks: three records per run
+    assert_eq!(super::max_run(big), 3);
+    let runs = super::runs(&records, super::max_run(big));
+    assert_eq!(runs, vec![0..3, 3..6, 6..9, 9..10]);
+    assert_eq!(super::max_run(2 << 30), 1);
+}
+
+/// After a failed sync the tier acknowledges nothing: Linux reports a writeback error once,
+/// to whichever sync comes first, so a later sync that succeeds proves nothing. The next job
+/// fails, the health check fails, and no clean close is written (the next open reads the
+/// headers). Before, the next job was acknowledged durable by a sync that succeeded.
+#[test]
+fn a_failed_sync_fails_the_tier() {
+    let dir = SimDir::new(512, u64::MAX);
+    let store =
+        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    store.put(&Key::new(b"first"), &block(1)).unwrap();
+    store.check().unwrap();
+    dir.fail_sync(dir.syncs());
+    assert!(store.put(&Key::new(b"a"), &block(2)).is_err());
+    assert!(store.failed());
+    let second = store.put(&Key::new(b"b"), &block(3));
+    assert!(second.is_err(), "{second:?}");
+    assert!(!store.contains(&Key::new(b"b")).unwrap());
+    assert!(store.check().is_err());
+    assert!(store.sync().is_err());
+    drop(store);
+    let store =
+        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    assert!(
+        !store.open_report().from_index,
+        "no clean close was written"
+    );
+    assert!(!store.failed());
+    assert!(store.contains(&Key::new(b"first")).unwrap());
+}
+
+/// A key named twice in one job gets its first occurrence's result for the second: when the
+/// first one's write fails, both fail. Before, the second occurrence was answered `Ok` at
+/// once, for a block the tier does not hold.
+#[test]
+fn a_key_named_twice_in_a_job_gets_its_first_occurrences_result() {
+    let whole = SimDir::new(512, u64::MAX);
+    let opened = FileStore::open_in(
+        &whole,
+        BLOCK,
+        file_len(BLOCK, 8),
+        options(FsyncPolicy::Batch),
+    )
+    .unwrap();
+    let open_ops = whole.ops();
+    drop(opened);
+    // The job's first IO (the checkpoint that reserves its record) fails.
+    let dir = SimDir::new(512, open_ops);
+    let store =
+        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    let k = Key::new(b"k");
+    let b = block(3);
+    let results = store.put_many(&[(&k, &b[..]), (&k, &b[..])]);
+    assert!(!store.contains(&k).unwrap());
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+}
