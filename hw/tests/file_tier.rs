@@ -270,7 +270,7 @@ fn fsync_policies_parse() {
     for p in [FsyncPolicy::None, FsyncPolicy::Batch, FsyncPolicy::Write] {
         assert_eq!(p.to_string().parse::<FsyncPolicy>(), Ok(p));
     }
-    assert_eq!(FsyncPolicy::default(), FsyncPolicy::Batch);
+    assert_eq!(FsyncPolicy::default(), FsyncPolicy::None);
     assert!(
         "always"
             .parse::<FsyncPolicy>()

@@ -152,16 +152,19 @@ impl PageBuf {
 pub enum FsyncPolicy {
     /// Never sync while open; the OS writes back when it decides (with `O_DIRECT`, as the
     /// write returns, but the device may still hold it in a volatile cache). Acknowledged
-    /// durable: the blocks held when the tier is closed (dropped) cleanly. A power loss may
-    /// lose any block stored since it was opened.
+    /// durable: the blocks held when the tier is closed (dropped) cleanly. A process that dies
+    /// loses nothing (its writes reached the device, or the page cache); a power loss may
+    /// lose any block stored since the tier was opened, and never serves one wrong. The
+    /// default: a cache tier's blocks can always be recomputed, and a sync per job bounds
+    /// small blocks' cascades (vLLM's file tier does not sync either).
+    #[default]
     None,
     /// One `fdatasync` per job at most, shared between concurrent jobs (group commit):
     /// `put_many` (and `put`, a job of one), after all its writes, waits for a sync that
     /// started after they completed, and starts one if none is running; jobs that finish
     /// their writes while a sync runs share the next. A failed sync fails every block of
     /// every job that relied on it. Acknowledged durable: every block `put`/`put_many`
-    /// returned `Ok` for. The default.
-    #[default]
+    /// returned `Ok` for.
     Batch,
     /// Every write is synced before the call goes on: `put` syncs its block, `put_many` syncs
     /// each run of adjacent blocks before it writes the next. Acknowledged durable: as for
