@@ -774,6 +774,16 @@ impl FileStore {
             tracing::warn!(path = %store.path.display(), dropped = report.corrupt, "torn or corrupt records dropped");
         }
         store.report = report;
+        // A checkpoint now, before any store: a crash of this session at any point, even
+        // one that stores nothing, is then opened from a checkpoint, not from every header.
+        {
+            let mut index = crate::sync::lock(&store.index);
+            if index.reserved.is_empty() && !index.free.is_empty() {
+                store
+                    .checkpoint(&mut index)
+                    .map_err(io_err("checkpoint", &store.path))?;
+            }
+        }
         store.abandoned = false;
         Ok(store)
     }
