@@ -600,10 +600,17 @@ fn shutdown_drops_queued_jobs_unrun() {
     let mut r = rig_with(dir.path(), vec![store], options, |_, config| {
         config.health.failures_to_down = 100;
     });
-    for i in 0..3 {
+    r.store(&key(0), 0);
+    // The first cascade is running (its put sleeps) before the other two are queued, so the
+    // IO thread cannot take them with it as one batch.
+    while faults.counts().puts_begun == 0 {
+        r.driver.poll();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    for i in 1..3 {
         r.store(&key(i), i as usize);
     }
-    r.driver.poll(); // the copies' ends start the three cascades
+    r.driver.poll(); // the copies' ends queue the other two cascades
     let report = r.driver.shutdown();
     assert_eq!(report.abandoned, 3, "{report:?}");
     std::thread::sleep(std::time::Duration::from_millis(1500));

@@ -37,6 +37,8 @@ pub struct FaultCounts {
     pub injected: u64,
     /// Blocks written through.
     pub puts: u64,
+    /// `put` calls begun (counted on entry, before any injected delay).
+    pub puts_begun: u64,
     /// Blocks read through.
     pub gets: u64,
 }
@@ -108,7 +110,8 @@ impl SecondaryStore for FaultyStore {
 
     fn put(&self, key: &Key, block: &[u8]) -> Result<(), StoreError> {
         let (delay, panic) = {
-            let c = lock(&self.control);
+            let mut c = lock(&self.control);
+            c.counts.puts_begun += 1;
             (c.faults.put_delay, c.faults.panic)
         };
         if let Some(d) = delay {
