@@ -19,6 +19,21 @@ fn options(fsync: FsyncPolicy) -> FileOptions {
     }
 }
 
+/// Opens (or creates) a tier of `records` blocks in `dir` with the fsync policy `fsync`.
+fn open(dir: &SimDir, records: u32, fsync: FsyncPolicy) -> Result<FileStore, crate::StoreError> {
+    FileStore::open_in(dir, BLOCK, file_len(BLOCK, records), options(fsync))
+}
+
+/// How many IO operations creating and opening a fresh tier of `records` blocks takes (its
+/// close not counted).
+fn ops_to_open(records: u32, fsync: FsyncPolicy) -> u64 {
+    let whole = SimDir::new(512, u64::MAX);
+    let store = open(&whole, records, fsync).unwrap();
+    let ops = whole.ops();
+    drop(store);
+    ops
+}
+
 fn block(i: u8) -> Vec<u8> {
     vec![i; BLOCK]
 }
@@ -30,16 +45,7 @@ fn block(i: u8) -> Vec<u8> {
 /// reservation left a full-length file without a superblock that every later open refused.
 #[test]
 fn a_crash_while_creating_never_leaves_a_tier_that_is_refused() {
-    let whole = SimDir::new(512, u64::MAX);
-    let opened = FileStore::open_in(
-        &whole,
-        BLOCK,
-        file_len(BLOCK, 8),
-        options(FsyncPolicy::Batch),
-    )
-    .unwrap();
-    let creation_ops = whole.ops();
-    drop(opened);
+    let creation_ops = ops_to_open(8, FsyncPolicy::Batch);
     assert!(
         creation_ops >= 5,
         "create, reserve, sync, write, sync, rename, sync: {creation_ops}"
@@ -48,8 +54,7 @@ fn a_crash_while_creating_never_leaves_a_tier_that_is_refused() {
     for crash_at in 0..creation_ops {
         for tear in [Tear::DropAll, Tear::KeepAll, Tear::Sectors, Tear::Writes] {
             let dir = SimDir::new(512, crash_at);
-            let opened =
-                FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch));
+            let opened = open(&dir, 8, FsyncPolicy::Batch);
             assert!(dir.crashed(), "crash at {crash_at} happens while opening");
             drop(opened);
             let mut flip = false;
@@ -57,13 +62,8 @@ fn a_crash_while_creating_never_leaves_a_tier_that_is_refused() {
                 flip = !flip;
                 flip
             });
-            let store = FileStore::open_in(
-                &after,
-                BLOCK,
-                file_len(BLOCK, 8),
-                options(FsyncPolicy::Batch),
-            )
-            .unwrap_or_else(|e| panic!("crash at {crash_at}, {tear:?}: {e}"));
+            let store = open(&after, 8, FsyncPolicy::Batch)
+                .unwrap_or_else(|e| panic!("crash at {crash_at}, {tear:?}: {e}"));
             assert_eq!(store.capacity_blocks(), 8);
             assert_eq!(store.open_report().recovered, 0);
             removed += usize::from(store.open_report().removed_temporary);
@@ -84,7 +84,7 @@ fn a_job_of_adjacent_blocks_is_one_write_and_one_read() {
         (FsyncPolicy::Write, 2),
     ] {
         let dir = SimDir::new(512, u64::MAX);
-        let store = FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 16), options(fsync)).unwrap();
+        let store = open(&dir, 16, fsync).unwrap();
         // The first store writes a checkpoint reserving the records stored next.
         store.put(&Key::new(b"first"), &block(9)).unwrap();
         let keys: Vec<Key> = (0..4u8).map(|i| Key::new(&[i])).collect();
@@ -115,8 +115,7 @@ fn a_job_of_adjacent_blocks_is_one_write_and_one_read() {
 #[test]
 fn write_policy_syncs_each_run() {
     let dir = SimDir::new(512, u64::MAX);
-    let store =
-        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 4), options(FsyncPolicy::Write)).unwrap();
+    let store = open(&dir, 4, FsyncPolicy::Write).unwrap();
     let keys: Vec<Key> = (0..4u8).map(|i| Key::new(&[i])).collect();
     for k in &keys {
         store.put(k, &block(0)).unwrap();
@@ -140,13 +139,7 @@ fn write_policy_syncs_each_run() {
 #[test]
 fn a_failed_sync_fails_the_whole_job() {
     let whole = SimDir::new(512, u64::MAX);
-    let opened = FileStore::open_in(
-        &whole,
-        BLOCK,
-        file_len(BLOCK, 8),
-        options(FsyncPolicy::Batch),
-    )
-    .unwrap();
+    let opened = open(&whole, 8, FsyncPolicy::Batch).unwrap();
     let first = Key::new(b"first");
     // The first store also writes the checkpoint that reserves records.
     opened.put(&first, &block(1)).unwrap();
@@ -154,8 +147,7 @@ fn a_failed_sync_fails_the_whole_job() {
     drop(opened);
     // Crash at the job's sync: its write (one op) went through.
     let dir = SimDir::new(512, open_ops + 1);
-    let store =
-        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    let store = open(&dir, 8, FsyncPolicy::Batch).unwrap();
     store.put(&first, &block(1)).unwrap();
     let keys: Vec<Key> = (0..3u8).map(|i| Key::new(&[i])).collect();
     let b = block(3);
@@ -186,13 +178,7 @@ fn concurrent_batch_jobs_share_syncs_and_every_acknowledged_block_is_durable() {
     const JOBS: u8 = 40;
     let dir = SimDir::new(512, u64::MAX);
     let records = u32::from(THREADS) * u32::from(JOBS) * 2;
-    let store = FileStore::open_in(
-        &dir,
-        BLOCK,
-        file_len(BLOCK, records),
-        options(FsyncPolicy::Batch),
-    )
-    .unwrap();
+    let store = open(&dir, records, FsyncPolicy::Batch).unwrap();
     let syncs = dir.syncs();
     let acked: Vec<(Key, u8)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..THREADS)
@@ -228,13 +214,7 @@ fn concurrent_batch_jobs_share_syncs_and_every_acknowledged_block_is_durable() {
     dir.crash_now();
     store.abandon();
     let after = dir.after_crash(Tear::DropAll, &mut || false);
-    let store = FileStore::open_in(
-        &after,
-        BLOCK,
-        file_len(BLOCK, records),
-        options(FsyncPolicy::Batch),
-    )
-    .unwrap();
+    let store = open(&after, records, FsyncPolicy::Batch).unwrap();
     assert_eq!(store.len(), acked.len());
     for (k, v) in acked {
         let mut out = PageBuf::new(BLOCK);
@@ -293,13 +273,7 @@ fn opening_after_a_crash_reads_the_checkpoint_and_few_headers() {
 #[test]
 fn short_reads_and_writes_are_completed() {
     let dir = SimDir::new(512, u64::MAX);
-    let store = FileStore::open_in(
-        &dir,
-        BLOCK,
-        file_len(BLOCK, 16),
-        options(FsyncPolicy::Batch),
-    )
-    .unwrap();
+    let store = open(&dir, 16, FsyncPolicy::Batch).unwrap();
     store.put(&Key::new(b"first"), &block(9)).unwrap();
     dir.cap_io(3 * 1000);
     let keys: Vec<Key> = (0..4u8).map(|i| Key::new(&[i])).collect();
@@ -321,13 +295,7 @@ fn short_reads_and_writes_are_completed() {
     assert_eq!(store.corrupt_reads(), 0);
     // Closed cleanly (index and superblock written in pieces) and opened again from the index.
     drop(store);
-    let store = FileStore::open_in(
-        &dir,
-        BLOCK,
-        file_len(BLOCK, 16),
-        options(FsyncPolicy::Batch),
-    )
-    .unwrap();
+    let store = open(&dir, 16, FsyncPolicy::Batch).unwrap();
     assert!(store.open_report().from_index);
     assert_eq!(store.len(), 5);
 }
@@ -352,8 +320,7 @@ fn a_run_holds_at_most_a_gibibyte() {
 #[test]
 fn a_failed_sync_fails_the_tier() {
     let dir = SimDir::new(512, u64::MAX);
-    let store =
-        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    let store = open(&dir, 8, FsyncPolicy::Batch).unwrap();
     store.put(&Key::new(b"first"), &block(1)).unwrap();
     store.check().unwrap();
     dir.fail_sync(dir.syncs());
@@ -365,8 +332,7 @@ fn a_failed_sync_fails_the_tier() {
     assert!(store.check().is_err());
     assert!(store.sync().is_err());
     drop(store);
-    let store =
-        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    let store = open(&dir, 8, FsyncPolicy::Batch).unwrap();
     assert!(
         !store.open_report().from_index,
         "no clean close was written"
@@ -380,20 +346,10 @@ fn a_failed_sync_fails_the_tier() {
 /// once, for a block the tier does not hold.
 #[test]
 fn a_key_named_twice_in_a_job_gets_its_first_occurrences_result() {
-    let whole = SimDir::new(512, u64::MAX);
-    let opened = FileStore::open_in(
-        &whole,
-        BLOCK,
-        file_len(BLOCK, 8),
-        options(FsyncPolicy::Batch),
-    )
-    .unwrap();
-    let open_ops = whole.ops();
-    drop(opened);
+    let open_ops = ops_to_open(8, FsyncPolicy::Batch);
     // The job's first IO (the checkpoint that reserves its record) fails.
     let dir = SimDir::new(512, open_ops);
-    let store =
-        FileStore::open_in(&dir, BLOCK, file_len(BLOCK, 8), options(FsyncPolicy::Batch)).unwrap();
+    let store = open(&dir, 8, FsyncPolicy::Batch).unwrap();
     let k = Key::new(b"k");
     let b = block(3);
     let results = store.put_many(&[(&k, &b[..]), (&k, &b[..])]);
