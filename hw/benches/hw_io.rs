@@ -303,7 +303,7 @@ fn open(c: &mut Criterion) {
                     .sum()
             })
         });
-        // After a crash of a session that stored nothing (no checkpoint): every header.
+        // After a crash of a session that stored nothing: the checkpoint it wrote at open.
         g.bench_with_input(
             BenchmarkId::new("after_crash_no_store", block),
             &block,
@@ -312,6 +312,7 @@ fn open(c: &mut Criterion) {
                     (0..n)
                         .map(|_| {
                             let (store, took) = opened(&FileOptions::default());
+                            assert!(store.open_report().from_checkpoint);
                             store.abandon();
                             took
                         })

@@ -778,7 +778,9 @@ impl FileStore {
         // one that stores nothing, is then opened from a checkpoint, not from every header.
         {
             let mut index = crate::sync::lock(&store.index);
-            if index.reserved.is_empty() && !index.free.is_empty() {
+            // Also when no record is free (a full tier): the checkpoint then names none, and
+            // the first store after a delete writes the next one.
+            if index.reserved.is_empty() {
                 store
                     .checkpoint(&mut index)
                     .map_err(io_err("checkpoint", &store.path))?;
