@@ -83,15 +83,15 @@ impl Rig {
         }
     }
 
-    /// Looks `k` up step after step until the answer is not Retry.
+    /// Looks `k` up step after step until the answer is neither HitPending nor Retry.
     fn lookup(&mut self, k: &Key) -> Lookup {
         for _ in 0..20 {
             match self.driver.lookup(RequestId(2), k) {
-                Lookup::Retry => self.driver.settle(1),
+                Lookup::HitPending | Lookup::Retry => self.driver.settle(1),
                 other => return other,
             }
         }
-        panic!("{k} stayed Retry for 20 steps");
+        panic!("{k} stayed HitPending or Retry for 20 steps");
     }
 
     /// Loads `k` into device block `at` and returns the bytes there.

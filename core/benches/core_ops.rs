@@ -42,6 +42,20 @@ const SLOTS: u32 = 100_000;
 const KEY_BYTES: usize = 36;
 const BATCH: u64 = 32;
 const REQ: RequestId = RequestId(1);
+/// Tokens per block, for the end-token positions the engine records.
+const BLOCK_TOKENS: u64 = 16;
+
+/// A new request for `ks`, with each block's end-token position recorded, as vLLM 0.33's
+/// scheduler does.
+fn request(m: &mut Manager, id: &mut u64, ks: &[Key]) -> RequestId {
+    *id += 1;
+    let req = RequestId(*id);
+    m.new_request(req);
+    for (i, k) in ks.iter().enumerate() {
+        m.set_position(req, k, (i as u64 + 1) * BLOCK_TOKENS);
+    }
+    req
+}
 
 fn key(i: u64) -> Key {
     let mut b = [0u8; KEY_BYTES];
@@ -85,10 +99,13 @@ fn complete_jobs(m: &mut Manager) {
 /// A manager whose primary holds keys `0..SLOTS`, Ready and unpinned (and so do the tiers).
 fn filled(policy: PolicyKind, tiers: bool) -> Manager {
     let mut m = Manager::new(config(policy, tiers)).expect("valid config");
+    let mut id = 1 << 40;
     for start in (0..u64::from(SLOTS)).step_by(BATCH as usize) {
         let ks = batch(start);
-        m.prepare_store(&ks).expect("room");
-        m.complete_store(REQ, &ks, true);
+        let req = request(&mut m, &mut id, &ks);
+        m.prepare_store(req, &ks).expect("room");
+        m.complete_store(req, &ks, true);
+        m.request_finished(req);
         complete_jobs(&mut m);
         m.end_step();
     }
@@ -114,8 +131,9 @@ fn memory_report() {
                 for _ in 0..(2 * u64::from(SLOTS) / BATCH) {
                     let ks = batch(next);
                     next += BATCH;
-                    m.prepare_store(&ks).expect("room");
+                    m.prepare_store(REQ, &ks).expect("room");
                     m.complete_store(REQ, &ks, true);
+                    m.request_finished(REQ);
                     if touched {
                         m.touch(&ks);
                     }
@@ -224,8 +242,9 @@ fn benches(c: &mut Criterion) {
     let mut fill = u64::from(SLOTS);
     while fill < 3 * u64::from(SLOTS) {
         let ks = batch(fill);
-        m.prepare_store(&ks).expect("room");
+        m.prepare_store(REQ, &ks).expect("room");
         m.complete_store(REQ, &ks, true);
+        m.request_finished(REQ);
         complete_jobs(&mut m);
         m.end_step();
         fill += BATCH;
@@ -233,6 +252,7 @@ fn benches(c: &mut Criterion) {
     m.end_step();
     let span = 3 * u64::from(SLOTS);
     let mut next = 0u64;
+    let mut id = 0;
     g.bench_function("promotion_round_trip", |b| {
         b.iter_batched_ref(
             || {
@@ -241,15 +261,17 @@ fn benches(c: &mut Criterion) {
                 ks
             },
             |ks: &mut Vec<Key>| {
+                let req = request(&mut m, &mut id, ks);
                 for k in ks.iter() {
-                    assert_eq!(m.lookup(REQ, k), Lookup::Retry);
+                    assert_eq!(m.lookup(req, k), Lookup::HitPending);
                 }
                 m.end_step();
                 complete_jobs(&mut m);
                 m.end_step();
                 for k in ks.iter() {
-                    assert_eq!(m.lookup(REQ, k), Lookup::Hit);
+                    assert_eq!(m.lookup(req, k), Lookup::Hit);
                 }
+                m.request_finished(req);
                 m.end_step();
             },
             BatchSize::SmallInput,
@@ -266,6 +288,7 @@ fn store_bench(
     after: impl Fn(&mut Manager),
 ) {
     let mut next = u64::from(SLOTS);
+    let mut id = 0;
     g.bench_function(name, |b| {
         b.iter_batched_ref(
             || {
@@ -273,9 +296,11 @@ fn store_bench(
                 batch(next)
             },
             |ks: &mut Vec<Key>| {
-                let p = m.prepare_store(ks).expect("room");
+                let req = request(&mut m, &mut id, ks);
+                let p = m.prepare_store(req, ks).expect("room");
                 black_box(p.slots.len());
-                m.complete_store(REQ, ks, true);
+                m.complete_store(req, ks, true);
+                m.request_finished(req);
                 after(&mut m);
             },
             BatchSize::SmallInput,

@@ -34,13 +34,18 @@ pub struct Event {
     pub keys: Vec<Key>,
 }
 
-/// The answer of a lookup. More variants may come (vLLM's `HitPending`).
+/// The answer of a lookup, with vLLM 0.33's meanings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Lookup {
     /// The block is Ready in the primary tier.
     Hit,
-    /// The block is being written or promoted: ask again in a later step.
+    /// The block is in the primary tier but not readable yet: its store, or its promotion
+    /// from a secondary tier, is in flight. The engine counts it as a hit and asks again in a
+    /// later step.
+    HitPending,
+    /// A secondary tier cannot answer yet (a write or an existence probe is in flight): ask
+    /// again in a later step.
     Retry,
     /// No tier can provide the block: recompute it.
     Miss,

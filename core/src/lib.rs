@@ -25,7 +25,7 @@
 //!
 //! // Step 0: a miss; the engine stores the block, which cascades to the tier.
 //! assert_eq!(m.lookup(req, &key), Lookup::Miss);
-//! let prepared = m.prepare_store(&[key.clone()])?;
+//! let prepared = m.prepare_store(req, &[key.clone()])?;
 //! assert_eq!(prepared.slots[0].0, 0); // copy GPU -> slot 0, then:
 //! m.complete_store(req, &[key.clone()], true);
 //! let answer_all = |m: &mut Manager| {
@@ -41,13 +41,13 @@
 //!
 //! // Step 1: four other blocks push it out of the primary; the tier still has it.
 //! let others: Vec<Key> = (1..=4u8).map(|i| Key::new(&[i])).collect();
-//! m.prepare_store(&others)?;
+//! m.prepare_store(req, &others)?;
 //! m.complete_store(req, &others, true);
 //! answer_all(&mut m); // their cascades (pinned until their results are collected)
 //! m.end_step();
 //!
 //! // Step 2: the lookup collects those results, then starts a promotion from the tier.
-//! assert_eq!(m.lookup(req, &key), Lookup::Retry);
+//! assert_eq!(m.lookup(req, &key), Lookup::HitPending);
 //! m.end_step(); // the load job is submitted...
 //! answer_all(&mut m); // ...and done
 //! m.end_step(); // step 3 had no lookup: end_step collects the result

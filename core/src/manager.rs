@@ -12,7 +12,7 @@ use crate::event::{
     Effect, Event, EventKind, Job, JobKind, JobResult, Lookup, Medium, Outcome, Transfer,
 };
 use crate::key::{JobId, Key, RequestId, SlotId, TierId};
-use crate::primary::{BlockState, PreparedStore, Primary, SlotState};
+use crate::primary::{BlockState, PreparedStore, Primary};
 use crate::stats::{Health, Stats, TierStats};
 use crate::tier::{TierAnswer, TierIndex};
 
@@ -65,15 +65,14 @@ struct RequestStep {
 #[derive(Clone, Debug, Default)]
 struct Requests {
     by_id: BTreeMap<RequestId, RequestStep>,
-    order: Vec<RequestId>,
+    /// Tiers in the order of their first staged promotion, each with its requests in the
+    /// order of their first promotion from it (M5).
+    staged: Vec<(TierId, Vec<RequestId>)>,
 }
 
 impl Requests {
     fn get_mut(&mut self, req: RequestId) -> &mut RequestStep {
-        self.by_id.entry(req).or_insert_with(|| {
-            self.order.push(req);
-            RequestStep::default()
-        })
+        self.by_id.entry(req).or_default()
     }
 }
 
@@ -176,6 +175,8 @@ impl Manager {
                 hits: 0,
                 misses: 0,
                 retries: 0,
+                hits_pending: 0,
+                stores_skipped: 0,
                 promotions_started: 0,
                 promotions_succeeded: 0,
                 promotions_failed: 0,
@@ -235,6 +236,7 @@ impl Manager {
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.step = self.step;
+        s.stores_skipped = self.primary.stores_skipped();
         s.jobs_outstanding = self.jobs.len() as u64;
         s.tiers = self
             .tiers
@@ -261,11 +263,12 @@ impl Manager {
                 Lookup::Hit
             }
             (Lookup::Miss, _) => self.lookup_tiers(req, key),
-            _ => Lookup::Retry,
+            (other, _) => other, // M3: HitPending
         };
         match answer {
             Lookup::Miss => self.stats.misses += 1,
             Lookup::Retry => self.stats.retries += 1,
+            Lookup::HitPending => self.stats.hits_pending += 1,
             _ => {}
         }
         tracing::debug!(step = self.step, %req, %key, ?answer, "lookup");
@@ -314,9 +317,7 @@ impl Manager {
             .filter_map(|k| self.primary.state_of(k).map(|(slot, _)| slot.0))
             .collect();
         protected.sort_unstable();
-        let admitted =
-            self.primary
-                .admit(core::slice::from_ref(key), &protected, SlotState::Promoting);
+        let admitted = self.primary.promote(req, key, &protected);
         self.primary.drain_events(&mut self.events);
         let Ok((slots, evicted)) = admitted else {
             self.stats.promotions_refused += 1;
@@ -332,10 +333,15 @@ impl Manager {
             key: key.clone(),
             slot: slots[0],
         };
-        let batches = &mut self.requests.get_mut(req).batches;
+        let batches = &mut self.requests.by_id.entry(req).or_default().batches;
         let batch = match batches.iter().position(|b| b.tier == tier) {
             Some(i) => &mut batches[i],
             None => {
+                // M5's flush order: tiers by first staged promotion, then requests.
+                match self.requests.staged.iter_mut().find(|(t, _)| *t == tier) {
+                    Some((_, reqs)) => reqs.push(req),
+                    None => self.requests.staged.push((tier, alloc::vec![req])),
+                }
                 batches.push(Batch {
                     tier,
                     blocks: Vec::new(),
@@ -347,13 +353,30 @@ impl Manager {
         batch.blocks.push(transfer);
         batch.entries.push(entry);
         tracing::debug!(%req, %key, %tier, slot = slots[0].0, "promotion started");
-        Lookup::Retry
+        Lookup::HitPending
     }
 
-    /// P4–P7, P17 through the manager (collects job results once per step first).
-    pub fn prepare_store(&mut self, keys: &[Key]) -> Result<PreparedStore, Error> {
-        self.collect_once();
-        let out = self.primary.prepare_store(keys);
+    /// R1: starts `req`'s record (optional: any call naming `req` starts it).
+    pub fn new_request(&mut self, req: RequestId) {
+        self.primary.new_request(req);
+        self.debug_check();
+    }
+
+    /// R2: the end-token position of `key` in `req` (vLLM's `set_offload_key_position`).
+    pub fn set_position(&mut self, req: RequestId, key: &Key, end_token: u64) {
+        self.primary.set_position(req, key, end_token);
+    }
+
+    /// R6: `req` finished; its accesses set the recency of its blocks, head most recent.
+    pub fn request_finished(&mut self, req: RequestId) {
+        self.primary.request_finished(req);
+        self.debug_check();
+    }
+
+    /// P4–P7, P17, R3–R5 through the manager (collects job results first, M1).
+    pub fn prepare_store(&mut self, req: RequestId, keys: &[Key]) -> Result<PreparedStore, Error> {
+        self.collect();
+        let out = self.primary.prepare_store(req, keys);
         self.primary.drain_events(&mut self.events);
         if let Ok(p) = &out {
             self.stats.evictions += p.evicted.len() as u64;
@@ -424,10 +447,9 @@ impl Manager {
         );
     }
 
-    /// P11–P12 (collects job results once per step first).
-    pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
-        self.collect_once();
-        let out = self.primary.prepare_load(keys);
+    /// P11–P12, R3 (no collection, M1).
+    pub fn prepare_load(&mut self, req: RequestId, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
+        let out = self.primary.prepare_load(req, keys);
         if out.is_ok() {
             self.stats.load_pins += keys.len() as u64;
         }
@@ -465,9 +487,15 @@ impl Manager {
             self.requests = requests;
             requests = Requests::default();
         }
-        for req in requests.order.drain(..) {
-            let step = requests.by_id.remove(&req).expect("ordered request exists");
-            for b in step.batches {
+        for (tier, reqs) in core::mem::take(&mut requests.staged) {
+            for req in reqs {
+                let step = requests.by_id.get_mut(&req).expect("staged request exists");
+                let i = step
+                    .batches
+                    .iter()
+                    .position(|b| b.tier == tier)
+                    .expect("staged batch exists");
+                let b = step.batches.swap_remove(i);
                 self.submit(
                     b.tier,
                     JobKind::Load {
@@ -597,9 +625,15 @@ impl Manager {
             );
         }
         let mut requests = core::mem::take(&mut self.requests);
-        for req in &requests.order {
-            let step = requests.by_id.remove(req).expect("ordered request exists");
-            for b in step.batches {
+        for (tier, reqs) in core::mem::take(&mut requests.staged) {
+            for req in reqs {
+                let step = requests.by_id.get_mut(&req).expect("staged request exists");
+                let i = step
+                    .batches
+                    .iter()
+                    .position(|b| b.tier == tier)
+                    .expect("staged batch exists");
+                let b = step.batches.swap_remove(i);
                 self.primary
                     .finish_promotions(b.blocks.iter().map(|t| (t.slot, false)));
                 for &e in &b.entries {
@@ -635,11 +669,23 @@ impl Manager {
         id
     }
 
+    /// M1: applies the job results received so far, unless this step has collected already
+    /// (what the step's first `lookup` does before it answers).
+    pub fn collect_step(&mut self) {
+        self.collect_once();
+        self.debug_check();
+    }
+
     /// M1: apply every received result, at most once per step.
     fn collect_once(&mut self) {
         if self.collected && !cfg!(kvtier_mutant = "no_step_gate") {
             return;
         }
+        self.collect();
+    }
+
+    /// M1: apply every received result now.
+    fn collect(&mut self) {
         self.collected = true;
         while let Some(r) = self.inbox.pop_front() {
             self.apply(r, false);
@@ -825,8 +871,8 @@ impl Manager {
         for r in &self.inbox {
             let _ = write!(out, " result@{}={:?}", rank(r.job), r.outcome);
         }
-        for req in &self.requests.order {
-            let s = &self.requests.by_id[req];
+        let _ = write!(out, " staged{:?}", self.requests.staged);
+        for (req, s) in &self.requests.by_id {
             // Hits are a set: a block looked up twice protects no more than once.
             let mut hits: Vec<&Key> = s.hits.iter().collect();
             hits.sort_unstable();
@@ -1077,7 +1123,7 @@ mod tests {
         let mut c = Config::new(4);
         c.tiers = alloc::vec![TierConfig::new(TierKind::Authoritative, 4)];
         let mut m = Manager::new(c).unwrap();
-        m.prepare_store(&[key(1), key(2)]).unwrap();
+        m.prepare_store(RequestId(1), &[key(1), key(2)]).unwrap();
         m.complete_store(RequestId(1), &[key(1), key(2)], true);
         m.check_invariants().unwrap();
         m
@@ -1107,7 +1153,7 @@ mod tests {
     fn detects_a_promotion_without_a_job() {
         let mut m = busy();
         m.restore_tier(TierId(0), [key(9)]).unwrap();
-        assert_eq!(m.lookup(RequestId(1), &key(9)), Lookup::Retry);
+        assert_eq!(m.lookup(RequestId(1), &key(9)), Lookup::HitPending);
         m.requests = Requests::default();
         assert_eq!(violated(&m), "I5");
     }

@@ -10,8 +10,8 @@ use alloc::vec::Vec;
 use crate::config::{PolicyKind, ReuseFilter};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{Event, EventKind, Lookup, Medium, Transfer};
-use crate::key::{Key, SlotId};
-use crate::policy::{EvictionPolicy, Policy};
+use crate::key::{Key, RequestId, SlotId};
+use crate::policy::{EvictionPolicy, Policy, Run, Use};
 use crate::table::{IdTable, hash};
 
 /// The state of a block in the primary tier, as seen from outside.
@@ -56,6 +56,88 @@ const FREE_SLOT: Slot = Slot {
 /// The primary's key index is sized once for `num_blocks` keys at most this full (percent).
 const PRIMARY_TABLE_LOAD: usize = 65;
 
+/// One key a request has touched in some way (rules R2–R5).
+#[derive(Clone, Debug)]
+struct AccessKey {
+    key: Key,
+    position: Option<u64>,
+    flags: u8,
+}
+
+const SEEN: u8 = 1;
+const INSERTED: u8 = 2;
+const REUSED: u8 = 4;
+const MISSED: u8 = 8;
+
+/// What one live request accessed (rules R1–R7), until it finishes.
+#[derive(Clone, Debug, Default)]
+struct Access {
+    /// The request's run in a ranked policy, from its first access.
+    run: Option<Run>,
+    keys: Vec<AccessKey>,
+    index: IdTable,
+    /// Indexes into `keys`, in first-seen order.
+    seen: Vec<u32>,
+}
+
+impl Access {
+    fn find(&self, key: &Key) -> Option<u32> {
+        self.index
+            .find(hash(key), |i| &self.keys[i as usize].key == key)
+    }
+
+    fn entry(&mut self, key: &Key) -> &mut AccessKey {
+        let i = match self.find(key) {
+            Some(i) => i,
+            None => {
+                self.keys.push(AccessKey {
+                    key: key.clone(),
+                    position: None,
+                    flags: 0,
+                });
+                let i = (self.keys.len() - 1) as u32;
+                self.index.insert(hash(key), i);
+                i
+            }
+        };
+        &mut self.keys[i as usize]
+    }
+
+    fn position(&self, key: &Key) -> Option<u64> {
+        self.find(key).and_then(|i| self.keys[i as usize].position)
+    }
+
+    /// R6: the seen keys, head to tail.
+    fn order(&self) -> Vec<u32> {
+        let group = |i: &u32| {
+            let k = self.keys[*i as usize].key.as_bytes();
+            match k.len().checked_sub(4) {
+                Some(at) => u32::from_be_bytes(k[at..].try_into().expect("4 bytes")),
+                None => 0,
+            }
+        };
+        let pos = |i: &u32| self.keys[*i as usize].position;
+        let mut order = self.seen.clone();
+        // Groups ascending, first-seen order within a group (the sort is stable)...
+        order.sort_by_key(group);
+        // ...a group by position when each of its keys has one...
+        let mut start = 0;
+        while start < order.len() {
+            let g = group(&order[start]);
+            let end = start + order[start..].iter().take_while(|i| group(i) == g).count();
+            if order[start..end].iter().all(|i| pos(i).is_some()) {
+                order[start..end].sort_by_key(pos);
+            }
+            start = end;
+        }
+        // ...and all of them by position when every key has one.
+        if order.iter().all(|i| pos(i).is_some()) {
+            order.sort_by_key(pos);
+        }
+        order
+    }
+}
+
 /// What `prepare_store` decided.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PreparedStore {
@@ -78,6 +160,8 @@ pub struct Primary {
     events: Vec<Event>,
     record_events: bool,
     reuse: Option<ReuseTracker>,
+    requests: BTreeMap<RequestId, Access>,
+    stores_skipped: u64,
 }
 
 impl Primary {
@@ -93,7 +177,95 @@ impl Primary {
             events: Vec::new(),
             record_events: true,
             reuse: reuse.map(ReuseTracker::new),
+            requests: BTreeMap::new(),
+            stores_skipped: 0,
         }
+    }
+
+    /// Offered keys the reuse filter left out of stores (P17), since the start.
+    pub fn stores_skipped(&self) -> u64 {
+        self.stores_skipped
+    }
+
+    /// Number of live requests (started and not finished).
+    pub fn live_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// R1: starts `req`'s record if it has none.
+    pub fn new_request(&mut self, req: RequestId) {
+        self.requests.entry(req).or_default();
+    }
+
+    /// R2: the end-token position of `key` in `req`.
+    pub fn set_position(&mut self, req: RequestId, key: &Key, end_token: u64) {
+        self.requests.entry(req).or_default().entry(key).position = Some(end_token);
+    }
+
+    /// R3, R4: `req` accessed `keys` (in this order); the first-seen ones go to the policy.
+    /// `reused` says which of them count as reuses (unless the request inserted them).
+    fn record(&mut self, req: RequestId, keys: &[Key], reused: &dyn Fn(&Key) -> bool) {
+        let access = self.requests.entry(req).or_default();
+        let mut fresh = Vec::new();
+        for key in keys {
+            let e = access.entry(key);
+            if e.flags & SEEN == 0 {
+                e.flags |= SEEN;
+                fresh.push(key);
+            }
+            if reused(key) && e.flags & INSERTED == 0 {
+                e.flags |= REUSED;
+            }
+        }
+        for key in &fresh {
+            let i = access.find(key).expect("entered above");
+            access.seen.push(i);
+        }
+        if fresh.is_empty() {
+            return;
+        }
+        // L4: the request takes its rank at its first access.
+        if access.run.is_none() {
+            access.run = self.policy.open_run();
+        }
+        let Some(run) = access.run else {
+            return;
+        };
+        for key in fresh {
+            if let (Some(position), Some(s)) = (
+                access.position(key),
+                self.index.find(hash(key), |s| {
+                    self.slots[s as usize].key.as_ref() == Some(key)
+                }),
+            ) {
+                let slots = &self.slots;
+                let key_of = |id: u32| slots[id as usize].key.clone().expect("resident");
+                self.policy.access(s, run, position, &key_of);
+            }
+        }
+    }
+
+    /// R6: `req` finished: its keys go to the policy tail to head, and its record is dropped.
+    pub fn request_finished(&mut self, req: RequestId) {
+        let Some(access) = self.requests.remove(&req) else {
+            return;
+        };
+        for i in access.order().into_iter().rev() {
+            let e = &access.keys[i as usize];
+            let used = if e.flags & REUSED != 0 {
+                Use::Reused
+            } else if e.flags & INSERTED != 0 {
+                Use::Inserted
+            } else {
+                Use::Seen
+            };
+            let resident = self.find(&e.key);
+            self.policy.finish(&e.key, resident, used);
+        }
+        if let Some(run) = access.run {
+            self.policy.close_run(run);
+        }
+        tracing::debug!(%req, keys = access.seen.len(), "request finished");
     }
 
     /// Whether to record events (on by default). Events accumulate until taken.
@@ -165,17 +337,14 @@ impl Primary {
         self.slots.get(slot.index())?.key.as_ref()
     }
 
-    /// P1–P3: Miss, Retry or Hit. Counts the key for the reuse filter.
+    /// P1–P3: Miss, HitPending or Hit.
     pub fn lookup(&mut self, key: &Key) -> Lookup {
         self.lookup_slot(key).0
     }
 
     /// `lookup`, also giving the slot of a Hit.
     #[inline]
-    pub(crate) fn lookup_slot(&mut self, key: &Key) -> (Lookup, Option<SlotId>) {
-        if let Some(r) = &mut self.reuse {
-            r.record(key);
-        }
+    pub(crate) fn lookup_slot(&self, key: &Key) -> (Lookup, Option<SlotId>) {
         match self.find(key) {
             None => (Lookup::Miss, None),
             Some(s) => match self.slots[s as usize].state {
@@ -183,30 +352,45 @@ impl Primary {
                 SlotState::Promoting if cfg!(kvtier_mutant = "hit_pending") => {
                     (Lookup::Hit, Some(SlotId(s)))
                 }
-                _ => (Lookup::Retry, None),
+                _ => (Lookup::HitPending, None),
             },
         }
     }
 
-    /// P4–P7, P17: allocate Pending slots for the absent keys, evicting exactly the shortfall.
-    pub fn prepare_store(&mut self, keys: &[Key]) -> Result<PreparedStore, Error> {
+    /// P4–P7, P17, R3–R5: allocate Pending slots for `req`'s absent keys, evicting exactly
+    /// the shortfall.
+    pub fn prepare_store(&mut self, req: RequestId, keys: &[Key]) -> Result<PreparedStore, Error> {
+        if let Some(r) = &mut self.reuse {
+            r.record_offer(keys); // P17
+        }
         let mut to_store = Vec::new();
+        let mut ready = Vec::new();
         let mut protected = Vec::new();
         for key in keys {
             if let Some(s) = self.find(key) {
                 protected.push(s);
+                if self.slots[s as usize].state == SlotState::Ready {
+                    ready.push(key.clone());
+                }
             } else if self.reuse.as_ref().is_some_and(|r| !r.reused(key)) {
-                // P17: not seen often enough.
+                self.stores_skipped += 1; // P17: not offered often enough
             } else {
                 to_store.push(key.clone());
             }
         }
         dedup_in_order(&mut to_store);
+        self.store_misses(req, &to_store);
+        let recorded: Vec<Key> = keys
+            .iter()
+            .filter(|k| to_store.contains(k) || ready.contains(k))
+            .cloned()
+            .collect();
+        self.record(req, &recorded, &|k| ready.contains(k));
         if to_store.is_empty() {
             return Ok(PreparedStore::default()); // P4
         }
         protected.sort_unstable();
-        let (slots, evicted) = self.admit(&to_store, &protected, SlotState::Pending)?;
+        let (slots, evicted) = self.admit(req, &to_store, &protected, SlotState::Pending)?;
         tracing::debug!(
             stored = to_store.len(),
             evicted = evicted.len(),
@@ -219,10 +403,41 @@ impl Primary {
         })
     }
 
+    /// M4: admits `key`, found in a secondary tier, as `req`'s store would (R3–R5, L1, A1,
+    /// A7; no reuse filter), in state Promoting, never evicting a slot in `protected` (sorted).
+    pub(crate) fn promote(
+        &mut self,
+        req: RequestId,
+        key: &Key,
+        protected: &[u32],
+    ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
+        let keys = core::slice::from_ref(key);
+        self.store_misses(req, keys);
+        self.record(req, keys, &|_| false);
+        self.admit(req, keys, protected, SlotState::Promoting)
+    }
+
+    /// R5: the keys `req` has not yet missed go to the policy, last to first.
+    pub(crate) fn store_misses(&mut self, req: RequestId, keys: &[Key]) {
+        let access = self.requests.entry(req).or_default();
+        let mut missed = Vec::new();
+        for key in keys {
+            let e = access.entry(key);
+            if e.flags & MISSED == 0 {
+                e.flags |= MISSED;
+                missed.push(key);
+            }
+        }
+        for key in missed.into_iter().rev() {
+            self.policy.store_miss(key);
+        }
+    }
+
     /// Makes room for `keys` (all absent, distinct) without evicting a slot in `protected`
     /// (sorted), then inserts them in `state`. All or nothing.
     pub(crate) fn admit(
         &mut self,
+        req: RequestId,
         keys: &[Key],
         protected: &[u32],
         state: SlotState,
@@ -262,15 +477,33 @@ impl Primary {
                 self.emit(EventKind::Removed, evicted.clone());
             }
         }
-        let mut slots = Vec::with_capacity(keys.len());
-        for key in keys {
-            let s = self.allocate();
+        let slots: Vec<SlotId> = keys.iter().map(|_| SlotId(self.allocate())).collect();
+        let access = self.requests.entry(req).or_default();
+        for (key, &SlotId(s)) in keys.iter().zip(&slots) {
             let slot = &mut self.slots[s as usize];
             slot.key = Some(key.clone());
             slot.state = state;
             self.index.insert(hash(key), s);
-            self.policy.insert(s, key);
-            slots.push(SlotId(s));
+            // L1: ranked in the request's run when the request gave the key a position.
+            let e = access.entry(key);
+            e.flags |= INSERTED;
+            match e.position {
+                Some(position) => {
+                    if access.run.is_none() {
+                        access.run = self.policy.open_run();
+                    }
+                    match access.run {
+                        Some(run) => {
+                            let slots = &self.slots;
+                            let key_of =
+                                |id: u32| slots[id as usize].key.clone().expect("resident");
+                            self.policy.insert_in_run(s, key, run, position, &key_of);
+                        }
+                        None => self.policy.insert(s, key),
+                    }
+                }
+                None => self.policy.insert(s, key),
+            }
         }
         Ok((slots, evicted))
     }
@@ -337,8 +570,8 @@ impl Primary {
         self.emit(EventKind::Stored, stored);
     }
 
-    /// P11–P12: pin every key once per occurrence; all must be Ready.
-    pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
+    /// P11–P12, R3: pin every key once per occurrence for `req`; all must be Ready.
+    pub fn prepare_load(&mut self, req: RequestId, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
         let mut slots = Vec::with_capacity(keys.len());
         for key in keys {
             match self.find(key) {
@@ -351,6 +584,7 @@ impl Primary {
         for s in &slots {
             self.slots[s.index()].load_pins += 1;
         }
+        self.record(req, keys, &|_| true);
         tracing::debug!(count = slots.len(), "primary prepare_load");
         Ok(slots)
     }
@@ -474,6 +708,17 @@ impl Primary {
                 let _ = write!(out, "{key}x{},", r.counts[key].0);
             }
             out.push(']');
+        }
+        for (req, a) in &self.requests {
+            let _ = write!(out, " {req}(run {:?}:", a.run.map(|r| r.sentinel));
+            for k in &a.keys {
+                let _ = write!(out, "{}@{:?}/{},", k.key, k.position, k.flags);
+            }
+            out.push_str(" seen");
+            for i in &a.seen {
+                let _ = write!(out, " {i}");
+            }
+            out.push(')');
         }
         let _ = write!(out, " events={:?};", self.events);
     }
@@ -628,22 +873,38 @@ impl ReuseTracker {
         }
     }
 
-    fn record(&mut self, key: &Key) {
-        self.clock += 1;
-        let clock = self.clock;
-        if let Some((count, age)) = self.counts.get_mut(key) {
-            self.by_age.remove(age);
-            *count = count.saturating_add(1);
-            *age = clock;
-        } else {
-            self.counts.insert(key.clone(), (1, clock));
-            if self.counts.len() > self.filter.max_tracker_size as usize
-                && let Some((_, oldest)) = self.by_age.pop_first()
-            {
-                self.counts.remove(&oldest);
+    /// P17: counts an offer to `prepare_store`, as vLLM 0.33 does: tracked keys move to the
+    /// most recent end and count one more; untracked keys start at 1, forgetting the least
+    /// recently offered key that is not in this offer when the tracker is full.
+    fn record_offer(&mut self, keys: &[Key]) {
+        let mut in_offer = BTreeSet::new();
+        for key in keys {
+            if let Some((count, age)) = self.counts.get_mut(key) {
+                self.clock += 1;
+                self.by_age.remove(age);
+                *count = count.saturating_add(1);
+                *age = self.clock;
+                self.by_age.insert(self.clock, key.clone());
+                in_offer.insert(key.clone());
             }
         }
-        self.by_age.insert(clock, key.clone());
+        let mut unprotected = self.counts.len() - in_offer.len();
+        for key in keys {
+            if self.counts.contains_key(key) {
+                continue;
+            }
+            if self.counts.len() >= self.filter.max_tracker_size as usize {
+                if unprotected == 0 {
+                    continue;
+                }
+                let (_, oldest) = self.by_age.pop_first().expect("a tracked key");
+                self.counts.remove(&oldest);
+                unprotected -= 1;
+            }
+            self.clock += 1;
+            self.counts.insert(key.clone(), (1, self.clock));
+            self.by_age.insert(self.clock, key.clone());
+        }
     }
 
     fn reused(&self, key: &Key) -> bool {
@@ -662,7 +923,7 @@ mod tests {
     fn full() -> Primary {
         let mut p = Primary::new(4, PolicyKind::Arc, None);
         let keys: Vec<Key> = (0u8..3).map(|i| Key::from([i])).collect();
-        p.prepare_store(&keys).unwrap();
+        p.prepare_store(RequestId(1), &keys).unwrap();
         p.complete_store(&keys[..2], true);
         p.check_invariants().unwrap();
         p

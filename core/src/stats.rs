@@ -66,8 +66,13 @@ pub struct Stats {
     pub hits: u64,
     /// Lookups answered Miss.
     pub misses: u64,
-    /// Lookups answered Retry (including the ones that started a promotion).
+    /// Lookups answered Retry (a secondary tier busy).
     pub retries: u64,
+    /// Lookups answered HitPending (a store or promotion in flight, including the lookups
+    /// that started a promotion).
+    pub hits_pending: u64,
+    /// Offered keys the reuse filter left out of stores.
+    pub stores_skipped: u64,
     /// Promotions started.
     pub promotions_started: u64,
     /// Promoted blocks that became Ready.

@@ -107,16 +107,19 @@ fn counters_count_exactly() {
     assert_eq!(s.tiers[0].1.cascades_submitted, 3);
     assert_eq!(s.tiers[0].1.blocks_cascaded, 3);
     assert_eq!(s.job_pins, 0);
-    // Lookups: a hit, a miss, a promotion (Retry), then its hit.
+    // Lookups: a hit, a miss, a promotion (HitPending), then its hit.
     assert_eq!(m.lookup(R1, &key(3)), Lookup::Hit);
     assert_eq!(m.lookup(R1, &key(9)), Lookup::Miss);
-    assert_eq!(m.lookup(R2, &key(1)), Lookup::Retry);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
     m.end_step();
     complete_all(&mut m);
     m.end_step();
     assert_eq!(m.lookup(R2, &key(1)), Lookup::Hit);
     let s = m.stats();
-    assert_eq!((s.lookups, s.hits, s.misses, s.retries), (4, 2, 1, 1));
+    assert_eq!(
+        (s.lookups, s.hits, s.misses, s.retries, s.hits_pending),
+        (4, 2, 1, 0, 1)
+    );
     assert_eq!(
         (
             s.promotions_started,
@@ -127,7 +130,7 @@ fn counters_count_exactly() {
     );
     assert_eq!(s.evictions, 2, "the promotion evicted one more block");
     assert_eq!(s.tiers[0].1.hits, 1);
-    m.prepare_load(&keys([1, 1])).unwrap();
+    m.prepare_load(R1, &keys([1, 1])).unwrap();
     assert_eq!(m.stats().load_pins, 2);
     m.complete_load(&keys([1, 1])).unwrap();
     assert_eq!(m.stats().load_pins, 0);
@@ -177,7 +180,7 @@ fn tier_counters_and_events_count_exactly() {
     // A promotion that fails: a failed read and one more failed job.
     let mut m = manager(4, &[4]);
     m.restore_tier(TierId(0), keys([7])).unwrap();
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     m.end_step();
     let js = jobs(&drain(&mut m));
     report(&mut m, &js, Outcome::Failed);
@@ -264,7 +267,7 @@ fn canonical_state_names_what_matters() {
     );
     for m in [&mut a, &mut b] {
         m.restore_tier(TierId(0), keys([7])).unwrap();
-        assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+        assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
         m.end_step();
         let js = jobs(&drain(m));
         report(m, &js, Outcome::Failed);
@@ -309,7 +312,7 @@ fn canonical_state_covers_every_part() {
     for policy in [PolicyKind::Lru, PolicyKind::Arc] {
         // Different blocks in the primary (no tier involved: failed stores cascade nothing).
         pair(policy, &|m, i| {
-            m.prepare_store(&keys([i])).unwrap();
+            m.prepare_store(R1, &keys([i])).unwrap();
         });
         // Different blocks in the tier.
         pair(policy, &|m, i| {

@@ -34,19 +34,19 @@ fn removed(ids: &[u32]) -> Event {
 #[test]
 fn lru_four_slots_matches_vllm() {
     let mut m = manager(4, &[]);
-    let p = m.prepare_store(&keys([1, 2, 3])).unwrap();
+    let p = m.prepare_store(R1, &keys([1, 2, 3])).unwrap();
     assert_eq!(p.keys, keys([1, 2, 3]));
     assert_eq!(p.slots, slots(&[0, 1, 2])); // fresh slots ascending
     assert!(p.evicted.is_empty());
-    assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry); // P2: Pending
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::HitPending); // P2: Pending
     m.complete_store(R1, &keys([1, 2, 3]), true);
     assert_eq!(m.take_events(), vec![stored(&[1, 2, 3])]); // P8: one event
-    assert_eq!(m.prepare_store(&keys([4])).unwrap().slots, slots(&[3]));
+    assert_eq!(m.prepare_store(R1, &keys([4])).unwrap().slots, slots(&[3]));
     m.complete_store(R1, &keys([4]), true);
     m.take_events();
 
     m.touch(&keys([1])); // order, least recent first: 2 3 4 1
-    let p = m.prepare_store(&keys([5, 6])).unwrap();
+    let p = m.prepare_store(R1, &keys([5, 6])).unwrap();
     assert_eq!(p.evicted, keys([2, 3])); // P6: exactly the shortfall, least recent first
     // Victims freed in order (slots 1 then 2), reused last-freed-first.
     assert_eq!(p.slots, slots(&[2, 1]));
@@ -55,16 +55,16 @@ fn lru_four_slots_matches_vllm() {
     m.complete_store(R1, &keys([5]), true);
     m.complete_store(R1, &keys([6]), false); // P9: slot 1 freed, no event
     assert_eq!(m.take_events(), vec![stored(&[5])]);
-    assert_eq!(m.prepare_store(&keys([7])).unwrap().slots, slots(&[1]));
+    assert_eq!(m.prepare_store(R1, &keys([7])).unwrap().slots, slots(&[1]));
 
     assert_eq!(m.lookup(R1, &key(5)), Lookup::Hit); // P3
     assert_eq!(m.lookup(R1, &key(6)), Lookup::Miss); // P1
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry); // P2
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending); // P2
 
     // Pinned and Pending blocks are not victims: order is 4 1 5 7(pending).
-    m.prepare_load(&keys([1])).unwrap();
+    m.prepare_load(R1, &keys([1])).unwrap();
     m.complete_store(R1, &keys([7]), true);
-    let p = m.prepare_store(&keys([8, 9])).unwrap();
+    let p = m.prepare_store(R1, &keys([8, 9])).unwrap();
     assert_eq!(p.evicted, keys([4, 5]));
 }
 
@@ -74,15 +74,15 @@ fn lru_four_slots_matches_vllm() {
 fn prepare_store_skips_present_and_protects_input_keys() {
     let mut m = manager(2, &[]);
     store(&mut m, R1, &keys([1, 2]));
-    let p = m.prepare_store(&keys([1, 2])).unwrap();
+    let p = m.prepare_store(R1, &keys([1, 2])).unwrap();
     assert!(p.keys.is_empty() && p.slots.is_empty() && p.evicted.is_empty());
     // 1 is the least recent, but it is an input key: 2 goes instead.
-    let p = m.prepare_store(&keys([1, 3])).unwrap();
+    let p = m.prepare_store(R1, &keys([1, 3])).unwrap();
     assert_eq!(p.keys, keys([3]));
     assert_eq!(p.evicted, keys([2]));
     // Duplicate input keys are stored once.
     let mut m = manager(4, &[]);
-    let p = m.prepare_store(&keys([9, 9, 8])).unwrap();
+    let p = m.prepare_store(R1, &keys([9, 9, 8])).unwrap();
     assert_eq!(p.keys, keys([9, 8]));
     assert_eq!(p.slots, slots(&[0, 1]));
 }
@@ -92,26 +92,27 @@ fn prepare_store_skips_present_and_protects_input_keys() {
 fn refusals_and_contract_errors_leave_state_unchanged() {
     let mut m = manager(2, &[]);
     store(&mut m, R1, &keys([1]));
-    m.prepare_store(&keys([2])).unwrap(); // Pending
-    m.prepare_load(&keys([1])).unwrap(); // pinned
+    m.prepare_store(R1, &keys([2])).unwrap(); // Pending
+    m.prepare_load(R1, &keys([1])).unwrap(); // pinned
     m.take_events();
 
+    // A refused store still records the request's access (R3, as vLLM does): refuse once,
+    // then a second refusal changes nothing.
+    let refused = Err(Error::NoRoom {
+        needed: 1,
+        available: 0,
+    });
+    assert_eq!(m.prepare_store(R1, &keys([3])), refused);
     let before = fingerprint(&m);
-    assert_eq!(
-        m.prepare_store(&keys([3])),
-        Err(Error::NoRoom {
-            needed: 1,
-            available: 0
-        })
-    );
+    assert_eq!(m.prepare_store(R1, &keys([3])), refused);
     assert_eq!(fingerprint(&m), before);
 
     assert_eq!(
-        m.prepare_load(&keys([1, 2])),
+        m.prepare_load(R1, &keys([1, 2])),
         Err(Error::NotReady { key: key(2) })
     );
     assert_eq!(
-        m.prepare_load(&keys([7])),
+        m.prepare_load(R1, &keys([7])),
         Err(Error::NotReady { key: key(7) })
     );
     assert_eq!(fingerprint(&m), before);
@@ -147,7 +148,10 @@ fn refusals_and_contract_errors_leave_state_unchanged() {
 fn prepare_load_pins_per_occurrence() {
     let mut m = manager(4, &[]);
     store(&mut m, R1, &keys([1, 2]));
-    assert_eq!(m.prepare_load(&keys([2, 1, 2])).unwrap(), slots(&[1, 0, 1]));
+    assert_eq!(
+        m.prepare_load(R1, &keys([2, 1, 2])).unwrap(),
+        slots(&[1, 0, 1])
+    );
     assert_eq!(
         m.primary().state_of(&key(2)).unwrap().1,
         BlockState::Ready {
@@ -179,8 +183,8 @@ fn touch_makes_first_key_most_recent() {
     let mut m = manager(3, &[]);
     store(&mut m, R1, &keys([1, 2, 3]));
     m.touch(&keys([1, 2])); // order 3 2 1
-    assert_eq!(m.prepare_store(&keys([4])).unwrap().evicted, keys([3]));
-    assert_eq!(m.prepare_store(&keys([5])).unwrap().evicted, keys([2]));
+    assert_eq!(m.prepare_store(R1, &keys([4])).unwrap().evicted, keys([3]));
+    assert_eq!(m.prepare_store(R1, &keys([5])).unwrap().evicted, keys([2]));
 }
 
 /// A1–A6 on 4 slots: T1 / T2 moves, ghost lists, `p` adapting only on touch.
@@ -192,27 +196,27 @@ fn arc_four_slots_matches_vllm() {
     m.touch(&keys([1, 2])); // A2: T1 = 3 4, T2 = 2 1
     assert_eq!(p_of(&m), 0.0);
     // A6: t1 = 2 >= p = 0: evict from T1.
-    assert_eq!(m.prepare_store(&keys([5])).unwrap().evicted, keys([3]));
+    assert_eq!(m.prepare_store(R1, &keys([5])).unwrap().evicted, keys([3]));
     m.complete_store(R1, &keys([5]), true);
-    assert_eq!(m.prepare_store(&keys([6])).unwrap().evicted, keys([4]));
+    assert_eq!(m.prepare_store(R1, &keys([6])).unwrap().evicted, keys([4]));
     m.complete_store(R1, &keys([6]), true); // T1 = 5 6, B1 = 3 4
     // A5: touching a B1 ghost: p += max(1, |B2|/|B1|) = 1.
     m.touch(&keys([3]));
     assert_eq!(p_of(&m), 1.0);
     // t1 = 2 >= 1: still from T1.
-    assert_eq!(m.prepare_store(&keys([7])).unwrap().evicted, keys([5]));
+    assert_eq!(m.prepare_store(R1, &keys([7])).unwrap().evicted, keys([5]));
     m.complete_store(R1, &keys([7]), true); // T1 = 6 7, B1 = 4 3 5
     m.touch(&keys([4]));
     m.touch(&keys([3]));
     assert_eq!(p_of(&m), 3.0);
     // t1 = 2 < 3: from T2, its least recent (2).
-    assert_eq!(m.prepare_store(&keys([8])).unwrap().evicted, keys([2]));
+    assert_eq!(m.prepare_store(R1, &keys([8])).unwrap().evicted, keys([2]));
     // A5 on B2: p -= max(1, |B1|/|B2|) = 3.
     m.touch(&keys([2]));
     assert_eq!(p_of(&m), 0.0);
     // A1: inserting a ghost's key forgets the ghost, p unchanged.
     m.complete_store(R1, &keys([8]), true);
-    m.prepare_store(&keys([3])).unwrap();
+    m.prepare_store(R1, &keys([3])).unwrap();
     m.touch(&keys([3])); // resident and Pending now: A3, no adaptation
     assert_eq!(p_of(&m), 0.0);
 }
@@ -224,10 +228,10 @@ fn arc_pending_touch_stays_in_t1_and_falls_back_to_t2() {
     let mut m = manager_with(arc_config(3));
     store(&mut m, R1, &keys([1, 2]));
     m.touch(&keys([1, 2])); // T2 = 2 1
-    m.prepare_store(&keys([3])).unwrap(); // T1 = 3 (Pending)
+    m.prepare_store(R1, &keys([3])).unwrap(); // T1 = 3 (Pending)
     m.touch(&keys([3]));
     // 3 is Pending: the victim must come from T2.
-    assert_eq!(m.prepare_store(&keys([4])).unwrap().evicted, keys([2]));
+    assert_eq!(m.prepare_store(R1, &keys([4])).unwrap().evicted, keys([2]));
 }
 
 /// A6: ghost lists are trimmed to the capacity from the oldest end.
@@ -244,39 +248,39 @@ fn arc_ghosts_trimmed_to_capacity() {
     assert_eq!(m.primary().policy().arc_target(), Some(1.0));
 }
 
-/// P17: the reuse filter stores only keys looked up `store_threshold` times; the tracker
-/// forgets the least recently seen key first.
+/// P17: the reuse filter counts offers to `prepare_store` (as vLLM 0.33 does) and stores a
+/// key at its `store_threshold`-th offer; a full tracker forgets the least recently offered
+/// key that is not in the current offer, and tracks nothing new when every key is.
 #[test]
-fn reuse_filter_counts_lookups_in_a_bounded_tracker() {
+fn reuse_filter_counts_offers_in_a_bounded_tracker() {
     let mut c = Config::new(8);
     c.reuse = Some(ReuseFilter {
         store_threshold: 2,
         max_tracker_size: 2,
     });
     let mut m = manager_with(c);
-    m.lookup(R1, &key(1));
-    assert!(m.prepare_store(&keys([1])).unwrap().keys.is_empty());
-    m.lookup(R1, &key(1));
-    assert_eq!(m.prepare_store(&keys([1])).unwrap().keys, keys([1]));
-    // A tracker of 2 keys.
-    m.lookup(R1, &key(2));
-    m.lookup(R1, &key(2));
-    m.lookup(R1, &key(3)); // forgets the least recently seen: 1
-    m.lookup(R1, &key(4)); // forgets 2
-    m.lookup(R1, &key(2)); // counted from 1 again
-    assert!(m.prepare_store(&keys([2])).unwrap().keys.is_empty());
-    // Exactly `max_tracker_size` keys are remembered, and the one seen least recently goes.
-    let mut c = Config::new(8);
-    c.reuse = Some(ReuseFilter {
-        store_threshold: 2,
-        max_tracker_size: 2,
-    });
-    let mut m = manager_with(c);
-    for k in [5, 6, 5, 6, 7] {
-        m.lookup(R1, &key(k)); // 7 forgets 5 (last seen before 6)
-    }
-    assert_eq!(m.prepare_store(&keys([6])).unwrap().keys, keys([6]));
-    assert!(m.prepare_store(&keys([5])).unwrap().keys.is_empty());
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::Miss); // lookups count nothing
+    assert!(m.prepare_store(R1, &keys([1])).unwrap().keys.is_empty());
+    assert_eq!(m.stats().stores_skipped, 1);
+    assert_eq!(m.prepare_store(R1, &keys([1])).unwrap().keys, keys([1]));
+    assert!(m.prepare_store(R1, &keys([2])).unwrap().keys.is_empty());
+    // Full (1, 2): 3 forgets 1, the least recently offered.
+    assert!(m.prepare_store(R1, &keys([3])).unwrap().keys.is_empty());
+    // The two tracked keys count first; then nothing can be forgotten for 4.
+    assert_eq!(
+        m.prepare_store(R1, &keys([2, 3, 4])).unwrap().keys,
+        keys([2, 3])
+    );
+    // 4 was not tracked: counted from 1, forgetting 2.
+    assert!(m.prepare_store(R1, &keys([4])).unwrap().keys.is_empty());
+    assert_eq!(m.stats().stores_skipped, 5);
+    m.complete_store(R1, &keys([1, 2, 3]), true);
+    assert!(m.prepare_store(R1, &keys([5, 5])).unwrap().keys.is_empty());
+    assert_eq!(
+        m.stats().stores_skipped,
+        7,
+        "each offered occurrence counts"
+    );
 }
 
 /// P4: a store of many keys (past the short-list path) stores each distinct key once, in
@@ -289,7 +293,7 @@ fn long_stores_deduplicate_in_order() {
         .chain(40..45)
         .chain([44, 7])
         .collect();
-    let p = m.prepare_store(&keys(ids.iter().copied())).unwrap();
+    let p = m.prepare_store(R1, &keys(ids.iter().copied())).unwrap();
     assert_eq!(p.keys, keys(0..45));
     assert_eq!(p.slots.len(), 45);
 }
@@ -301,8 +305,8 @@ fn primary_alone_equals_manager_without_tiers() {
     let mut m = manager(3, &[]);
     for i in 0..12u32 {
         let ks = keys([i, i + 1]);
-        let a = p.prepare_store(&ks);
-        let b = m.prepare_store(&ks);
+        let a = p.prepare_store(R1, &ks);
+        let b = m.prepare_store(R1, &ks);
         assert_eq!(a, b);
         p.complete_store(&ks, i % 3 != 0);
         m.complete_store(R1, &ks, i % 3 != 0);

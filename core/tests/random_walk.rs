@@ -65,14 +65,14 @@ fn walk(seed: u64, ops: usize) -> Manager {
             }
             2 => {
                 let ks = vec![k(&mut rng), k(&mut rng)];
-                if let Ok(p) = m.prepare_store(&ks) {
+                if let Ok(p) = m.prepare_store(R1, &ks) {
                     let ok = rng.below(4) != 0;
                     m.complete_store(req, &p.keys, ok);
                 }
             }
             3 => {
                 let ks = vec![k(&mut rng)];
-                if m.prepare_load(&ks).is_ok() {
+                if m.prepare_load(R1, &ks).is_ok() {
                     pins.extend(ks);
                 }
             }
@@ -107,7 +107,7 @@ fn walk(seed: u64, ops: usize) -> Manager {
                 m.lookup(req, &k(&mut rng));
                 let before = fingerprint(&m);
                 let bad = key(100 + rng.below(4) as u32);
-                assert!(m.prepare_load(std::slice::from_ref(&bad)).is_err());
+                assert!(m.prepare_load(R1, std::slice::from_ref(&bad)).is_err());
                 assert!(m.complete_load(&[bad]).is_err());
                 assert_eq!(fingerprint(&m), before);
             }

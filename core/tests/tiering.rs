@@ -46,7 +46,7 @@ fn cascade_pins_once_per_tier() {
     store(&mut m, R1, &keys([3, 4]));
     drain(&mut m);
     assert!(matches!(
-        m.prepare_store(&keys([5])),
+        m.prepare_store(R1, &keys([5])),
         Err(Error::NoRoom { .. })
     ));
     report(&mut m, &js[..1], Outcome::Ok);
@@ -73,7 +73,7 @@ fn cascade_pins_once_per_tier() {
 #[test]
 fn failed_store_does_not_cascade() {
     let mut m = manager(4, &[8]);
-    m.prepare_store(&keys([1])).unwrap();
+    m.prepare_store(R1, &keys([1])).unwrap();
     m.complete_store(R1, &keys([1]), false);
     assert!(drain(&mut m).is_empty());
     assert_eq!(m.stats().job_pins, 0);
@@ -110,19 +110,19 @@ fn touch_reaches_tiers() {
     assert_eq!(deletes(&drain(&mut m)), vec![(T0, keys([2]))]);
 }
 
-/// M4, J2: a promotion takes two steps: Retry in the step of the lookup, the load job is
+/// M4, J2: a promotion takes two steps: HitPending in the step of the lookup, the load job is
 /// submitted at end_step, and the next step's first lookup sees the result.
 #[test]
 fn promotion_two_step_timing() {
     let mut m = manager(4, &[8]);
     in_tier(&mut m, T0, &[7]);
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     assert_eq!(
         m.primary().state_of(&key(7)).unwrap().1,
         BlockState::Promoting
     );
     assert!(drain(&mut m).is_empty(), "batched until end_step");
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry); // M3, no second promotion
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending); // M3, no second promotion
     m.end_step();
     let js = jobs(&drain(&mut m));
     assert_eq!(js.len(), 1);
@@ -135,10 +135,10 @@ fn promotion_two_step_timing() {
     );
 
     // Step 1: a lookup before the result arrives collects nothing...
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     report(&mut m, &js, Outcome::Ok);
     // ...and the result is not collected again in the same step (M1).
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     m.end_step();
     // Step 2: Hit.
     assert_eq!(m.lookup(R1, &key(7)), Lookup::Hit);
@@ -171,19 +171,20 @@ fn end_step_collects_when_no_lookup_came() {
     );
 }
 
-/// M5: one load job per (tier, request), keys in lookup order, requests in first-seen
-/// order; a block wanted by two requests is promoted once.
+/// M5: one load job per (tier, request), keys in lookup order; tiers in the order of their
+/// first staged promotion, then requests in the order of their first promotion from the tier
+/// (vLLM 0.33's flush order); a block wanted by two requests is promoted once.
 #[test]
 fn promotions_batched_per_tier_and_request() {
     let mut m = manager(8, &[8, 8]);
     in_tier(&mut m, T0, &[1, 2, 4]);
     in_tier(&mut m, T1, &[3]);
     let r3 = RequestId(3);
-    assert_eq!(m.lookup(R2, &key(2)), Lookup::Retry);
-    assert_eq!(m.lookup(R1, &key(4)), Lookup::Retry);
-    assert_eq!(m.lookup(R2, &key(3)), Lookup::Retry);
-    assert_eq!(m.lookup(R2, &key(1)), Lookup::Retry);
-    assert_eq!(m.lookup(r3, &key(2)), Lookup::Retry); // shared block: no second promotion
+    assert_eq!(m.lookup(R2, &key(2)), Lookup::HitPending);
+    assert_eq!(m.lookup(R1, &key(4)), Lookup::HitPending);
+    assert_eq!(m.lookup(R2, &key(3)), Lookup::HitPending);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
+    assert_eq!(m.lookup(r3, &key(2)), Lookup::HitPending); // shared block: no second promotion
     m.end_step();
     let js = jobs(&drain(&mut m));
     let shape: Vec<(TierId, RequestId, Vec<kvtier_core::Key>)> = js
@@ -197,8 +198,8 @@ fn promotions_batched_per_tier_and_request() {
         shape,
         vec![
             (T0, R2, keys([2, 1])),
-            (T1, R2, keys([3])),
             (T0, R1, keys([4])),
+            (T1, R2, keys([3])),
         ]
     );
     // Job ids are given at submission, in order.
@@ -218,7 +219,7 @@ fn failed_promotion_does_not_livelock() {
     c.promotion_cooldown_steps = 3;
     let mut m = manager_with(c);
     in_tier(&mut m, T0, &[7]);
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     m.end_step();
     let js = jobs(&drain(&mut m));
     report(&mut m, &js, Outcome::Failed);
@@ -250,13 +251,13 @@ fn cooldown_skips_only_its_own_key() {
     c.tiers = vec![TierConfig::new(TierKind::Shared, 8)];
     let mut m = manager_with(c);
     in_tier(&mut m, T0, &[7, 8]);
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     m.end_step();
     let js = jobs(&drain(&mut m));
     report(&mut m, &js, Outcome::Failed);
     m.end_step();
     assert_eq!(m.lookup(R1, &key(7)), Lookup::Miss, "7 cools down");
-    assert_eq!(m.lookup(R1, &key(8)), Lookup::Retry, "8 is promoted");
+    assert_eq!(m.lookup(R1, &key(8)), Lookup::HitPending, "8 is promoted");
     m.end_step();
     let js = jobs(&drain(&mut m));
     assert_eq!(load_keys(&js[0]), keys([8]));
@@ -291,14 +292,14 @@ fn promotion_never_evicts_own_hits() {
     assert_eq!(m.stats().promotions_refused, 1);
     assert_eq!(m.primary().state_of(&key(1)).map(|s| s.0), Some(SlotId(0)));
     // Another request is not protected by R1's hits: its promotion evicts the LRU block.
-    assert_eq!(m.lookup(R2, &key(3)), Lookup::Retry);
+    assert_eq!(m.lookup(R2, &key(3)), Lookup::HitPending);
     assert_eq!(m.primary().state_of(&key(1)), None);
     // Protection ends with the step.
     m.end_step();
     complete_all(&mut m);
     m.end_step();
     assert_eq!(m.lookup(R1, &key(3)), Lookup::Hit);
-    assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry); // promoted back, evicting 2
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::HitPending); // promoted back, evicting 2
 }
 
 /// M4: a busy tier (a write in flight) makes the answer Retry, not Miss, and does not stop
@@ -311,7 +312,7 @@ fn busy_tier_answers_retry_and_scan_continues() {
     report(&mut m, &js[1..], Outcome::Ok); // tier 1 done, tier 0 still writing
     m.end_step();
     // Evict 1 from the primary: 1 is pinned by tier 0's job, so nothing can be evicted.
-    assert!(m.prepare_store(&keys([2])).is_err());
+    assert!(m.prepare_store(R1, &keys([2])).is_err());
     report(&mut m, &js[..1], Outcome::Ok);
     m.end_step();
     store(&mut m, R1, &keys([2]));
@@ -319,10 +320,10 @@ fn busy_tier_answers_retry_and_scan_continues() {
     // Now 1 is Present in both tiers; 2 is Writing in both.
     assert_eq!(m.lookup(R1, &key(2)), Lookup::Hit);
     m.end_step();
-    m.prepare_store(&keys([3])).unwrap_err(); // 2 is pinned by its cascade
+    m.prepare_store(R1, &keys([3])).unwrap_err(); // 2 is pinned by its cascade
     report(&mut m, &js2, Outcome::Ok);
     m.end_step();
-    m.prepare_store(&keys([3])).unwrap(); // evicts 2
+    m.prepare_store(R1, &keys([3])).unwrap(); // evicts 2
     // 2 is Present in the tiers, 3 Pending in the primary: 1's promotion has no room.
     assert_eq!(m.lookup(R1, &key(1)), Lookup::Miss);
     assert_eq!(m.stats().promotions_refused, 1);
@@ -384,7 +385,7 @@ fn tier_health_down_skip_probe_up() {
     report(&mut m, &js, Outcome::Ok);
     m.end_step(); // H4
     assert_eq!(m.health(T0), Some(Health::Up));
-    assert_eq!(m.lookup(R1, &key(100)), Lookup::Retry);
+    assert_eq!(m.lookup(R1, &key(100)), Lookup::HitPending);
     let s = m.stats().tiers[0].1.clone();
     assert_eq!((s.went_down, s.came_up), (1, 1));
 }
@@ -449,7 +450,7 @@ fn shared_tier_probes_and_caches() {
     report(&mut m, &js[..1], Outcome::Ok);
     report(&mut m, &js[1..], Outcome::NotFound);
     m.end_step();
-    assert_eq!(m.lookup(R1, &key(1)), Lookup::Retry); // found: promotion starts
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::HitPending); // found: promotion starts
     assert_eq!(
         m.primary().state_of(&key(1)).unwrap().1,
         BlockState::Promoting
@@ -661,7 +662,7 @@ fn settles_to_quiescence() {
     in_tier(&mut m, T1, &[10, 11]);
     for i in 0..6u32 {
         let ks = keys([i, i + 1]);
-        if m.prepare_store(&ks).is_ok() {
+        if m.prepare_store(R1, &ks).is_ok() {
             m.complete_store(R1, &ks, true);
         }
         m.lookup(R2, &key(10 + i % 2));

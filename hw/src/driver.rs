@@ -218,6 +218,22 @@ impl Driver {
         answer
     }
 
+    /// Starts `req`'s record (R1; optional: any call naming `req` starts it).
+    pub fn new_request(&mut self, req: RequestId) {
+        self.manager.new_request(req);
+    }
+
+    /// The end-token position of `key` in `req` (R2): the request's blocks are ranked by it.
+    pub fn set_position(&mut self, req: RequestId, key: &Key, end_token: u64) {
+        self.manager.set_position(req, key, end_token);
+    }
+
+    /// `req` finished (R6): its accesses set the recency of its blocks. Every request must
+    /// end with this call, or its record stays.
+    pub fn request_finished(&mut self, req: RequestId) {
+        self.manager.request_finished(req);
+    }
+
     /// Recency update for blocks the engine used (M8).
     pub fn touch(&mut self, keys: &[Key]) {
         self.manager.touch(keys);
@@ -235,7 +251,7 @@ impl Driver {
     ) -> Result<Option<TransferId>, HwError> {
         self.poll();
         let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
-        let prepared = self.manager.prepare_store(&keys)?;
+        let prepared = self.manager.prepare_store(req, &keys)?;
         self.pump();
         if prepared.keys.is_empty() {
             return Ok(None);
@@ -266,7 +282,7 @@ impl Driver {
     pub fn load(&mut self, req: RequestId, blocks: &[(Key, usize)]) -> Result<TransferId, HwError> {
         self.poll();
         let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
-        let slots = self.manager.prepare_load(&keys)?;
+        let slots = self.manager.prepare_load(req, &keys)?;
         let copies = slots
             .iter()
             .zip(blocks)

@@ -196,14 +196,14 @@ impl TieringModel {
         let mut n = s.clone();
         n.violation = None;
         // Calls that collect job results (M1) may free blocks before they decide: compare
-        // evictions with the state as the collection left it. `prepare_load(&[])` is a call
-        // that does nothing but that collection.
+        // evictions with the state as the collection left it.
         let mut collected = s.core.clone();
-        if matches!(
-            action,
-            Action::Lookup(..) | Action::Store(..) | Action::Load(_) | Action::EndStep
-        ) {
-            let _ = collected.prepare_load(&[]);
+        match action {
+            Action::Lookup(..) | Action::EndStep => collected.collect_step(),
+            Action::Store(..) => {
+                let _ = collected.prepare_store(RequestId(0), &[]);
+            }
+            _ => {}
         }
         let before = &collected;
         let m = &mut n.core;
@@ -221,7 +221,7 @@ impl TieringModel {
             }
             Action::Store(ks, ok) => {
                 let ks: Vec<Key> = ks.iter().map(|&k| key(k)).collect();
-                if let Ok(p) = m.prepare_store(&ks) {
+                if let Ok(p) = m.prepare_store(RequestId(0), &ks) {
                     for (k, slot) in p.keys.iter().zip(&p.slots) {
                         // The engine copies the block in; a failed copy leaves garbage.
                         if *ok {
@@ -234,7 +234,7 @@ impl TieringModel {
                 }
             }
             Action::Load(k) => {
-                let _ = m.prepare_load(&[key(*k)]);
+                let _ = m.prepare_load(RequestId(0), &[key(*k)]);
             }
             Action::Unload(k) => {
                 if m.complete_load(&[key(*k)]).is_err() {

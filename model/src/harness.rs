@@ -133,8 +133,8 @@ impl Harness {
                 let ks = keys(ks);
                 let _answer = compare(
                     "prepare_store",
-                    core.prepare_store(&ks),
-                    model.prepare_store(&ks),
+                    core.prepare_store(request(0), &ks),
+                    model.prepare_store(request(0), &ks),
                 )?;
             }
             Op::CompleteStore { req, keys: ks, ok } => {
@@ -146,8 +146,8 @@ impl Harness {
                 let ks = keys(ks);
                 let prepared = compare(
                     "prepare_store",
-                    core.prepare_store(&ks),
-                    model.prepare_store(&ks),
+                    core.prepare_store(request(*req), &ks),
+                    model.prepare_store(request(*req), &ks),
                 )?;
                 if let Ok(p) = prepared {
                     core.complete_store(request(*req), &p.keys, *ok);
@@ -158,8 +158,8 @@ impl Harness {
                 let ks = keys(ks);
                 let _answer = compare(
                     "prepare_load",
-                    core.prepare_load(&ks),
-                    model.prepare_load(&ks),
+                    core.prepare_load(request(0), &ks),
+                    model.prepare_load(request(0), &ks),
                 )?;
             }
             Op::CompleteLoad { keys: ks } => {

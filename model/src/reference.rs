@@ -516,7 +516,7 @@ impl RefModel {
     }
 
     /// P4–P7, P17.
-    pub fn prepare_store(&mut self, keys: &[Key]) -> Result<PreparedStore, Error> {
+    pub fn prepare_store(&mut self, _req: RequestId, keys: &[Key]) -> Result<PreparedStore, Error> {
         self.collect();
         let mut to_store: Vec<Key> = Vec::new();
         for k in keys {
@@ -618,7 +618,7 @@ impl RefModel {
     }
 
     /// P11–P12.
-    pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
+    pub fn prepare_load(&mut self, _req: RequestId, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
         self.collect();
         for k in keys {
             if self.blocks.get(k).is_none_or(|b| b.state != State::Ready) {

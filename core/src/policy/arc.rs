@@ -4,7 +4,7 @@ use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 
-use super::{EvictionPolicy, Lists};
+use super::{EvictionPolicy, Lists, Use};
 use crate::key::Key;
 use crate::table::{IdTable, hash};
 
@@ -15,8 +15,9 @@ const B2: usize = 1;
 
 /// ARC over resident ids with ghost lists.
 ///
-/// T1 holds blocks seen once, T2 blocks touched again while Ready; B1 and B2 remember the
-/// blocks evicted from each. `p` (the target size of T1) adapts only when a ghost is touched.
+/// T1 holds blocks stored once, T2 blocks that a request reused (or touched again while
+/// Ready); B1 and B2 remember the blocks evicted from each. `p` (the target size of T1) adapts
+/// when a store misses on a ghost, or a ghost is touched.
 ///
 /// A ghost remembers its key's fixed 64-bit hash, not its bytes: ghosts only steer `p`, so the
 /// chance of two keys sharing a hash (about n²/2⁶⁵ for n keys) can at worst nudge `p`, never
@@ -106,6 +107,24 @@ impl ArcPolicy {
         ]
     }
 
+    /// A5, A7: a ghost of `key` adapts `p` by the ratio of the ghost lists and moves to its
+    /// list's end; other keys change nothing.
+    fn adapt(&mut self, key: &Key) {
+        let Some(g) = self.ghosts.find(hash(key)) else {
+            return;
+        };
+        let b1 = self.ghosts.lists.len(B1) as f64;
+        let b2 = self.ghosts.lists.len(B2) as f64;
+        let cap = self.capacity as f64;
+        let list = self.ghosts.lists.list_of(g).expect("ghost is linked");
+        if list == B1 {
+            self.p = (self.p + (b2 / b1).max(1.0)).min(cap);
+        } else {
+            self.p = (self.p - (b1 / b2).max(1.0)).max(0.0);
+        }
+        self.ghosts.lists.move_to_back(list, g);
+    }
+
     /// Next eligible id at or after `cursor` in `list`.
     fn next_eligible(
         &self,
@@ -145,20 +164,23 @@ impl EvictionPolicy for ArcPolicy {
             }
             return;
         }
-        // A5: a ghost adapts p and moves to its list's end.
-        let Some(g) = self.ghosts.find(hash(key)) else {
+        self.adapt(key); // A5
+    }
+
+    fn store_miss(&mut self, key: &Key) {
+        self.adapt(key); // A7
+    }
+
+    fn finish(&mut self, _key: &Key, resident: Option<u32>, used: Use) {
+        // A8: a store keeps its list; a reuse is the second access that earns T2.
+        let Some(id) = resident else {
             return;
         };
-        let b1 = self.ghosts.lists.len(B1) as f64;
-        let b2 = self.ghosts.lists.len(B2) as f64;
-        let cap = self.capacity as f64;
-        let list = self.ghosts.lists.list_of(g).expect("ghost is linked");
-        if list == B1 {
-            self.p = (self.p + (b2 / b1).max(1.0)).min(cap);
-        } else {
-            self.p = (self.p - (b1 / b2).max(1.0)).max(0.0);
+        match (used, self.resident.list_of(id)) {
+            (Use::Inserted, Some(list)) => self.resident.move_to_back(list, id),
+            (Use::Reused, Some(_)) => self.resident.move_to_back(T2, id),
+            _ => {}
         }
-        self.ghosts.lists.move_to_back(list, g);
     }
 
     fn select(&self, n: usize, eligible: &mut dyn FnMut(u32) -> bool, out: &mut Vec<u32>) {
@@ -175,13 +197,23 @@ impl EvictionPolicy for ArcPolicy {
                 t1 -= 1;
                 continue;
             }
-            match self.next_eligible(&mut c2, eligible) {
-                Some(id) => out.push(id),
+            if let Some(id) = self.next_eligible(&mut c2, eligible) {
+                out.push(id);
+                continue;
+            }
+            // T2 has nothing left: fall back to T1.
+            if cfg!(kvtier_mutant = "arc_no_fallback") {
+                return;
+            }
+            match self.next_eligible(&mut c1, eligible) {
+                Some(id) => {
+                    out.push(id);
+                    t1 -= 1;
+                }
                 None => return,
             }
         }
     }
-
     fn evict(&mut self, id: u32, key: Key) {
         let ghost_list = match self.resident.remove(id) {
             Some(T1) => B1,
@@ -339,6 +371,38 @@ mod tests {
         let mut out = Vec::new();
         a.select(3, &mut |_| true, &mut out);
         assert_eq!(out, [0, 1, 3], "T1 down to p = 2, then T2");
+    }
+
+    /// A6: when T2 has no eligible block left, the rest comes from T1: a store that fits after
+    /// evicting every unpinned block is never refused.
+    #[test]
+    fn select_falls_back_to_t1_when_t2_runs_out() {
+        let mut a = ArcPolicy::new(8);
+        for i in 0..5 {
+            a.insert(u32::from(i), &k(i));
+        }
+        a.touch(&k(3), Some((3, true)));
+        a.touch(&k(4), Some((4, true))); // T1 = [0, 1, 2], T2 = [3, 4]
+        a.p = 4.0; // |T1| < p: T2 first
+        let mut out = Vec::new();
+        a.select(4, &mut |id| id != 1, &mut out);
+        assert_eq!(out, [3, 4, 0, 2], "T2, then T1 past the ineligible 1");
+    }
+
+    /// A8: a finishing request moves the blocks it reused to T2's end, and the blocks it only
+    /// stored to the end of their own list.
+    #[test]
+    fn finish_promotes_reuses_only() {
+        let mut a = ArcPolicy::new(8);
+        for i in 0..4 {
+            a.insert(u32::from(i), &k(i));
+        }
+        a.finish(&k(2), Some(2), Use::Reused);
+        a.finish(&k(0), Some(0), Use::Inserted);
+        a.finish(&k(1), Some(1), Use::Seen);
+        assert_eq!(a.resident.iter(T1).collect::<Vec<_>>(), [1, 3, 0]);
+        assert_eq!(a.resident.iter(T2).collect::<Vec<_>>(), [2]);
+        a.check().unwrap();
     }
 
     /// A6: each ghost list keeps exactly `capacity` ghosts, the newest.

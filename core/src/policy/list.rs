@@ -108,6 +108,31 @@ impl<const N: usize> Lists<N> {
         self.len[list] += 1;
     }
 
+    /// Links `id` (which must be unlinked) into `list` right after `after`, which must be in
+    /// `list`.
+    pub(crate) fn insert_after(&mut self, list: usize, after: u32, id: u32) {
+        let i = id as usize;
+        if i >= self.links.len() {
+            self.links.resize(i + 1, UNLINKED);
+        }
+        debug_assert!(id < NIL, "id {id} beyond the list's range");
+        debug_assert_eq!(self.links[i].list(), NONE, "id {id} linked twice");
+        debug_assert_eq!(
+            self.list_of(after),
+            Some(list),
+            "anchor {after} not in the list"
+        );
+        let next = self.links[after as usize].next;
+        self.links[i] = Link::new(after, next, list as u32);
+        self.links[after as usize].next = id;
+        if next == NIL {
+            self.tail[list] = id;
+        } else {
+            self.links[next as usize].set_prev(id);
+        }
+        self.len[list] += 1;
+    }
+
     /// Unlinks `id` from whatever list holds it; returns that list.
     pub(crate) fn remove(&mut self, id: u32) -> Option<usize> {
         let list = self.list_of(id)?;

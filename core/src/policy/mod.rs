@@ -1,4 +1,4 @@
-//! Eviction policies behind one trait: LRU and vLLM's simplified ARC.
+//! Eviction policies behind one trait: vLLM 0.33's ranked LRU and its simplified ARC.
 //!
 //! A policy orders *resident entries*, named by dense ids (a primary slot, or a tier index
 //! entry), and chooses victims among those its caller calls eligible. It never decides
@@ -18,10 +18,64 @@ pub(crate) use list::Lists;
 use crate::config::PolicyKind;
 use crate::key::Key;
 
+/// A request's place in a ranked order (rules L1, L4): opened at the request's first access,
+/// closed when it finishes. Policies without ranks give none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub(crate) sentinel: u32,
+    pub(crate) rank: u64,
+}
+
+/// How a finishing request used one of its keys (rule R4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Use {
+    /// The request stored the block and did not read it otherwise.
+    Inserted,
+    /// The request read the block (a load, or an offer of a block already Ready).
+    Reused,
+    /// Neither: the request only saw the key (for example, offered while its store was in
+    /// flight).
+    Seen,
+}
+
 /// An eviction policy over resident entries with dense `u32` ids.
 pub trait EvictionPolicy {
-    /// A new resident entry (rules L1, A1).
+    /// A new resident entry, ranked after everything (rules L1 without a position, A1).
     fn insert(&mut self, id: u32, key: &Key);
+    /// A new resident entry stored by the request of `run` at `position` (rules L1, A1).
+    /// `key_of` names the other entries (for ties). Policies without ranks insert as usual.
+    fn insert_in_run(
+        &mut self,
+        id: u32,
+        key: &Key,
+        run: Run,
+        position: u64,
+        key_of: &dyn Fn(u32) -> Key,
+    ) {
+        let _ = (run, position, key_of);
+        self.insert(id, key);
+    }
+    /// Opens a run for a request at its first access (rule L4); `None` if the policy has no
+    /// ranks.
+    fn open_run(&mut self) -> Option<Run> {
+        None
+    }
+    /// Closes a run when its request finishes; its entries keep their ranks.
+    fn close_run(&mut self, run: Run) {
+        let _ = run;
+    }
+    /// The request of `run` accessed resident entry `id` at `position` for the first time
+    /// (rule L4).
+    fn access(&mut self, id: u32, run: Run, position: u64, key_of: &dyn Fn(u32) -> Key) {
+        let _ = (id, run, position, key_of);
+    }
+    /// A store of `key` is about to allocate it: a store miss (rule A7).
+    fn store_miss(&mut self, key: &Key) {
+        let _ = key;
+    }
+    /// A finishing request's key, walked tail to head; `resident` is its id if resident
+    /// (rules L5, A8).
+    fn finish(&mut self, key: &Key, resident: Option<u32>, used: Use);
     /// An entry leaves without being evicted (a failed store, a deletion); no ghost is kept.
     fn remove(&mut self, id: u32);
     /// A recency update of `key`; `resident` is its id and whether it is Ready, if resident
@@ -48,7 +102,7 @@ pub trait EvictionPolicy {
 /// The policy of one tier, chosen by configuration.
 #[derive(Clone, Debug)]
 pub enum Policy {
-    /// Least recently used.
+    /// vLLM 0.33's ranked LRU.
     Lru(LruPolicy),
     /// vLLM's simplified ARC.
     Arc(ArcPolicy),
@@ -74,15 +128,8 @@ impl Policy {
     /// Writes the recency order to `out`, naming each id with `name`: the policy's whole
     /// behaviour-relevant state, independent of which ids were used.
     pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
-        use core::fmt::Write;
         match self {
-            Policy::Lru(p) => {
-                out.push_str("lru[");
-                for id in p.order() {
-                    let _ = write!(out, "{},", name(id));
-                }
-                out.push(']');
-            }
+            Policy::Lru(p) => p.write_canonical(out, name),
             Policy::Arc(a) => a.write_canonical(out, name),
         }
     }
@@ -105,6 +152,32 @@ impl Policy {
 impl EvictionPolicy for Policy {
     fn insert(&mut self, id: u32, key: &Key) {
         self.inner_mut().insert(id, key)
+    }
+    fn insert_in_run(
+        &mut self,
+        id: u32,
+        key: &Key,
+        run: Run,
+        position: u64,
+        key_of: &dyn Fn(u32) -> Key,
+    ) {
+        self.inner_mut()
+            .insert_in_run(id, key, run, position, key_of)
+    }
+    fn open_run(&mut self) -> Option<Run> {
+        self.inner_mut().open_run()
+    }
+    fn close_run(&mut self, run: Run) {
+        self.inner_mut().close_run(run)
+    }
+    fn access(&mut self, id: u32, run: Run, position: u64, key_of: &dyn Fn(u32) -> Key) {
+        self.inner_mut().access(id, run, position, key_of)
+    }
+    fn store_miss(&mut self, key: &Key) {
+        self.inner_mut().store_miss(key)
+    }
+    fn finish(&mut self, key: &Key, resident: Option<u32>, used: Use) {
+        self.inner_mut().finish(key, resident, used)
     }
     fn remove(&mut self, id: u32) {
         self.inner_mut().remove(id)

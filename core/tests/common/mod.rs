@@ -84,7 +84,7 @@ pub fn complete_all(m: &mut Manager) -> Vec<Job> {
 
 /// prepare_store + complete_store(ok) of `ks` for `req`.
 pub fn store(m: &mut Manager, req: RequestId, ks: &[Key]) {
-    m.prepare_store(ks).unwrap();
+    m.prepare_store(req, ks).unwrap();
     m.complete_store(req, ks, true);
 }
 

@@ -136,6 +136,10 @@ pub struct Promotions {
     pub failed: u64,
 }
 
+/// Tokens per block in the trace format (Mooncake's 512): a block's end-token position is its
+/// index plus one, times this.
+const BLOCK_TOKENS: u64 = 512;
+
 fn key(block: u64) -> Key {
     Key::new(&block.to_le_bytes())
 }
@@ -337,6 +341,14 @@ pub fn run(
             return Err(BenchError::Interrupted { done, total });
         }
         while active.len() < settings.batch && next < requests.len() {
+            // R2: each block's end-token position, as vLLM's scheduler records it.
+            for (i, &b) in requests[next].blocks.iter().enumerate() {
+                driver.set_position(
+                    RequestId(next as u64),
+                    &key(b),
+                    (i as u64 + 1) * BLOCK_TOKENS,
+                );
+            }
             active.push(Active {
                 index: next,
                 id: RequestId(next as u64),
@@ -354,9 +366,10 @@ pub fn run(
             let blocks = &requests[a.index].blocks;
             let mut hits = 0;
             let mut retry = false;
-            // Hits count up to the first other answer; the lookups go on through Retry
-            // answers so that one step starts every promotion the prefix needs (batched
-            // into one job per tier), and stop at the first Miss.
+            // vLLM 0.33's scheduler: hits count up to the first other answer; the lookups go
+            // on through HitPending and Retry answers (both defer the request) so that one
+            // step starts every promotion the prefix needs (batched into one job per tier),
+            // and stop at the first Miss.
             for &b in blocks {
                 match driver.lookup(a.id, &key(b)) {
                     Lookup::Hit if !retry => {
@@ -368,7 +381,7 @@ pub fn run(
                         }
                     }
                     Lookup::Hit => {}
-                    Lookup::Retry => {
+                    Lookup::HitPending | Lookup::Retry => {
                         retry = true;
                         // Promoting: a promotion serves it. Pending: another request's store.
                         let promoting = matches!(
@@ -395,7 +408,6 @@ pub fn run(
                     .zip((0..).map(|i| base + i * bb))
                     .collect();
                 transfers.push((driver.load(a.id, &at)?, loaded, base));
-                driver.touch(&keys);
             }
             for b in &blocks[..hits] {
                 match a.retried.get(b) {
@@ -418,6 +430,8 @@ pub fn run(
                 Err(crate::HwError::Core(kvtier_core::Error::NoRoom { .. })) => refused += 1,
                 Err(e) => return Err(e.into()),
             }
+            // R6: the request is done; its accesses set its blocks' recency.
+            driver.request_finished(a.id);
             finished.push(ai);
         }
         for (t, loaded, base) in transfers {
