@@ -21,6 +21,10 @@ pub enum EventKind {
     Stored,
     /// The blocks were evicted or deleted.
     Removed,
+    /// A failed store or promotion freed the blocks: they were never announced as stored, so
+    /// consumers of public KV events may skip it (vLLM 0.33's metadata-only removal). Keys that
+    /// are held again by the time the events are taken are left out.
+    Discarded,
 }
 
 /// A change of which blocks a tier holds, for the engine's KV events.

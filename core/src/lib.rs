@@ -83,6 +83,6 @@ pub use event::{
 };
 pub use key::{JobId, Key, RequestId, SlotId, TierId};
 pub use manager::Manager;
-pub use primary::{BlockState, PreparedStore, Primary};
+pub use primary::{BlockState, Metrics, PreparedStore, Primary};
 pub use stats::{Health, Stats, TierStats};
 pub use tier::{EntryState, TierAnswer, TierIndex};

@@ -526,9 +526,26 @@ impl Manager {
         self.debug_check();
     }
 
-    /// The events since the last call, in order.
+    /// The events since the last call, in order (P16; `Discarded` keys held again are left
+    /// out).
     pub fn take_events(&mut self) -> Vec<Event> {
-        core::mem::take(&mut self.events)
+        let mut events = core::mem::take(&mut self.events);
+        self.primary.filter_discarded(&mut events);
+        events
+    }
+
+    /// vLLM 0.33's `get_stats` for the primary: gauges now, and what accumulated since the
+    /// previous call.
+    pub fn take_metrics(&mut self) -> crate::Metrics {
+        self.primary.take_metrics()
+    }
+
+    /// vLLM 0.33's `has_pending_work`: a job is outstanding, a result waits to be collected,
+    /// or a promotion waits for `end_step` to be submitted.
+    pub fn has_pending_work(&self) -> bool {
+        !self.jobs.is_empty()
+            || !self.inbox.is_empty()
+            || self.requests.by_id.values().any(|r| !r.batches.is_empty())
     }
 
     /// Durability (★6): records blocks found in a tier at start as Present, up to its

@@ -162,6 +162,59 @@ pub struct Primary {
     reuse: Option<ReuseTracker>,
     requests: BTreeMap<RequestId, Access>,
     stores_skipped: u64,
+    /// Ready blocks with no pin (vLLM's evictable chunks).
+    evictable: u32,
+    /// Pending or Promoting blocks (vLLM's write-pending chunks).
+    writing: u32,
+    /// Metrics since the last `take_metrics`.
+    window: Window,
+}
+
+/// Most allocation sizes kept between two `take_metrics` calls; later ones are counted only.
+const MAX_ALLOCATION_SIZES: usize = 1 << 16;
+
+/// What accumulates between two `take_metrics` calls.
+#[derive(Clone, Debug, Default)]
+struct Window {
+    allocation_sizes: Vec<u32>,
+    allocations_dropped: u64,
+    stores_skipped: u64,
+}
+
+/// vLLM 0.33's `get_stats` of the primary tier: gauges at the time of the call, and what
+/// accumulated since the previous call (see [`Primary::take_metrics`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Metrics {
+    /// Slots in the primary.
+    pub num_blocks: u32,
+    /// Occupied blocks that cannot be evicted now: in flight (Pending, Promoting) or pinned.
+    pub used_blocks: u32,
+    /// Blocks being written: a store (Pending) or a promotion (Promoting) in flight.
+    pub writing_blocks: u32,
+    /// The number of blocks each `prepare_store` (and each promotion) set out to allocate,
+    /// refused or not, in call order (vLLM's allocation-size histogram).
+    pub allocation_sizes: Vec<u32>,
+    /// Allocation sizes not kept because more than 65,536 came between two calls.
+    pub allocation_sizes_dropped: u64,
+    /// Offered keys the reuse filter left out; `None` without a reuse filter.
+    pub stores_skipped: Option<u64>,
+}
+
+impl Metrics {
+    /// vLLM's `kv_offload_cpu_cache_usage_perc`: used blocks over all blocks (0 to 1).
+    pub fn usage(&self) -> f64 {
+        f64::from(self.used_blocks) / f64::from(self.num_blocks.max(1))
+    }
+
+    /// vLLM's `kv_offload_cpu_cache_write_usage_perc`: blocks being written over all blocks.
+    pub fn write_usage(&self) -> f64 {
+        f64::from(self.writing_blocks) / f64::from(self.num_blocks.max(1))
+    }
+
+    /// vLLM's `kv_offload_cpu_cache_read_usage_perc`: usage minus write usage, at least 0.
+    pub fn read_usage(&self) -> f64 {
+        (self.usage() - self.write_usage()).max(0.0)
+    }
 }
 
 impl Primary {
@@ -179,7 +232,38 @@ impl Primary {
             reuse: reuse.map(ReuseTracker::new),
             requests: BTreeMap::new(),
             stores_skipped: 0,
+            evictable: 0,
+            writing: 0,
+            window: Window::default(),
         }
+    }
+
+    /// vLLM 0.33's `get_stats`: the gauges now, and the allocation sizes and skipped stores
+    /// since the previous call (which this call resets).
+    pub fn take_metrics(&mut self) -> Metrics {
+        let window = core::mem::take(&mut self.window);
+        Metrics {
+            num_blocks: self.num_blocks(),
+            used_blocks: self.len() as u32 - self.evictable,
+            writing_blocks: self.writing,
+            allocation_sizes: window.allocation_sizes,
+            allocation_sizes_dropped: window.allocations_dropped,
+            stores_skipped: self.reuse.as_ref().map(|_| window.stores_skipped),
+        }
+    }
+
+    fn observe_allocation(&mut self, blocks: usize) {
+        if self.window.allocation_sizes.len() < MAX_ALLOCATION_SIZES {
+            self.window.allocation_sizes.push(blocks as u32);
+        } else {
+            self.window.allocations_dropped += 1;
+        }
+    }
+
+    /// Whether slot `s` is Ready with no pin.
+    fn is_evictable(&self, s: usize) -> bool {
+        let slot = &self.slots[s];
+        slot.state == SlotState::Ready && slot.load_pins == 0 && slot.job_pins == 0
     }
 
     /// Offered keys the reuse filter left out of stores (P17), since the start.
@@ -374,6 +458,7 @@ impl Primary {
                 }
             } else if self.reuse.as_ref().is_some_and(|r| !r.reused(key)) {
                 self.stores_skipped += 1; // P17: not offered often enough
+                self.window.stores_skipped += 1;
             } else {
                 to_store.push(key.clone());
             }
@@ -389,6 +474,7 @@ impl Primary {
         if to_store.is_empty() {
             return Ok(PreparedStore::default()); // P4
         }
+        self.observe_allocation(to_store.len());
         protected.sort_unstable();
         let (slots, evicted) = self.admit(req, &to_store, &protected, SlotState::Pending)?;
         tracing::debug!(
@@ -414,6 +500,7 @@ impl Primary {
         let keys = core::slice::from_ref(key);
         self.store_misses(req, keys);
         self.record(req, keys, &|_| false);
+        self.observe_allocation(1);
         self.admit(req, keys, protected, SlotState::Promoting)
     }
 
@@ -466,6 +553,8 @@ impl Primary {
         }
         // P6: free the victims in order, one Removed event.
         let mut evicted = Vec::with_capacity(victims.len());
+        self.evictable -= victims.len() as u32;
+        self.writing += keys.len() as u32;
         for &v in &victims {
             let key = self.release(v);
             self.policy.evict(v, key.clone());
@@ -541,6 +630,7 @@ impl Primary {
         mut out: Option<&mut Vec<Transfer>>,
     ) {
         let mut stored = Vec::new();
+        let mut discarded = Vec::new();
         let mut count = 0usize;
         for key in keys {
             let Some(s) = self.find(key) else {
@@ -549,8 +639,10 @@ impl Primary {
             if self.slots[s as usize].state != SlotState::Pending {
                 continue; // P10
             }
+            self.writing -= 1;
             if ok {
                 self.slots[s as usize].state = SlotState::Ready; // P8
+                self.evictable += 1;
                 count += 1;
                 if self.record_events {
                     stored.push(key.clone());
@@ -564,9 +656,13 @@ impl Primary {
             } else {
                 self.release(s); // P9
                 self.policy.remove(s);
+                if self.record_events {
+                    discarded.push(key.clone());
+                }
             }
         }
         tracing::debug!(ok, stored = count, "primary complete_store");
+        self.emit(EventKind::Discarded, discarded);
         self.emit(EventKind::Stored, stored);
     }
 
@@ -582,6 +678,9 @@ impl Primary {
             }
         }
         for s in &slots {
+            if self.is_evictable(s.index()) {
+                self.evictable -= 1;
+            }
             self.slots[s.index()].load_pins += 1;
         }
         self.record(req, keys, &|_| true);
@@ -594,12 +693,20 @@ impl Primary {
         for (i, key) in keys.iter().enumerate() {
             let slot = self.find(key).map(|s| s as usize);
             match slot {
-                Some(s) if self.slots[s].load_pins > 0 => self.slots[s].load_pins -= 1,
+                Some(s) if self.slots[s].load_pins > 0 => {
+                    self.slots[s].load_pins -= 1;
+                    if self.is_evictable(s) {
+                        self.evictable += 1;
+                    }
+                }
                 _ => {
                     // Undo the unpins done so far: the state stays unchanged.
                     for done in &keys[..i] {
-                        let s = self.find(done).expect("unpinned above");
-                        self.slots[s as usize].load_pins += 1;
+                        let s = self.find(done).expect("unpinned above") as usize;
+                        if self.is_evictable(s) {
+                            self.evictable -= 1;
+                        }
+                        self.slots[s].load_pins += 1;
                     }
                     if cfg!(kvtier_mutant = "refusal_touches") {
                         self.touch(core::slice::from_ref(key));
@@ -623,9 +730,23 @@ impl Primary {
         }
     }
 
-    /// P16: the events since the last call, in order.
+    /// P16: the events since the last call, in order. A `Discarded` event keeps only the keys
+    /// that are still absent (a retry may own the key again), and none is given empty.
     pub fn take_events(&mut self) -> Vec<Event> {
-        core::mem::take(&mut self.events)
+        let mut events = core::mem::take(&mut self.events);
+        self.filter_discarded(&mut events);
+        events
+    }
+
+    /// P9, P16: drops from `Discarded` events of the primary the keys it holds again.
+    pub(crate) fn filter_discarded(&self, events: &mut Vec<Event>) {
+        events.retain_mut(|e| {
+            if e.kind != EventKind::Discarded || e.medium != Medium::Primary {
+                return true;
+            }
+            e.keys.retain(|k| self.find(k).is_none());
+            !e.keys.is_empty()
+        });
     }
 
     /// Moves the pending events to the end of `out`.
@@ -635,6 +756,9 @@ impl Primary {
 
     /// Takes one cascade pin on a Ready block.
     pub(crate) fn pin_job(&mut self, slot: SlotId) {
+        if self.is_evictable(slot.index()) {
+            self.evictable -= 1;
+        }
         let s = &mut self.slots[slot.index()];
         debug_assert_eq!(s.state, SlotState::Ready, "I3");
         s.job_pins += 1;
@@ -645,16 +769,21 @@ impl Primary {
         let s = &mut self.slots[slot.index()];
         debug_assert!(s.job_pins > 0, "I4: a store job holds a pin");
         s.job_pins -= 1;
+        if self.is_evictable(slot.index()) {
+            self.evictable += 1;
+        }
     }
 
     /// Ends promotions: ok blocks become Ready (one Stored event), the others are removed.
     pub(crate) fn finish_promotions(&mut self, blocks: impl Iterator<Item = (SlotId, bool)>) {
-        let mut stored = Vec::new();
+        let (mut stored, mut discarded) = (Vec::new(), Vec::new());
         for (slot, ok) in blocks {
             let s = slot.index();
             debug_assert_eq!(self.slots[s].state, SlotState::Promoting, "I5");
+            self.writing -= 1;
             if ok || cfg!(kvtier_mutant = "ready_failed_load") {
                 self.slots[s].state = SlotState::Ready;
+                self.evictable += 1;
                 stored.push(
                     self.slots[s]
                         .key
@@ -662,11 +791,15 @@ impl Primary {
                         .expect("I5: promoting slot is occupied"),
                 );
             } else {
-                self.release(slot.0);
+                let key = self.release(slot.0);
                 self.policy.remove(slot.0);
+                discarded.push(key);
             }
         }
+        // vLLM 0.33 ends a promotion with a successful store of its good blocks, then a
+        // failed one of the others.
         self.emit(EventKind::Stored, stored);
+        self.emit(EventKind::Discarded, discarded);
     }
 
     /// Frees `slot` whatever its state (tests of the invariant checks only).
@@ -808,6 +941,20 @@ impl Primary {
                 ensure!(!arc.is_ghost(k), "I7", "resident {k} is also a ghost");
             }
         }
+        // I11: the metrics' counters match the slots.
+        let evictable = (0..n).filter(|&s| self.is_evictable(s)).count();
+        let writing = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s.state, SlotState::Pending | SlotState::Promoting))
+            .count();
+        ensure!(
+            self.evictable as usize == evictable && self.writing as usize == writing,
+            "I11",
+            "counted {} evictable and {} writing, the slots say {evictable} and {writing}",
+            self.evictable,
+            self.writing
+        );
         Ok(())
     }
 }

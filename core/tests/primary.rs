@@ -53,8 +53,20 @@ fn lru_four_slots_matches_vllm() {
     assert_eq!(m.take_events(), vec![removed(&[2, 3])]);
 
     m.complete_store(R1, &keys([5]), true);
-    m.complete_store(R1, &keys([6]), false); // P9: slot 1 freed, no event
-    assert_eq!(m.take_events(), vec![stored(&[5])]);
+    m.complete_store(R1, &keys([6]), false); // P9: slot 1 freed, a Discarded event
+    let discarded = Event {
+        medium: Medium::Primary,
+        kind: EventKind::Discarded,
+        keys: keys([6]),
+    };
+    assert_eq!(m.take_events(), vec![stored(&[5]), discarded]);
+    // A discarded key stored again before the events are taken is left out (P16).
+    m.prepare_store(R1, &keys([6])).unwrap();
+    m.complete_store(R1, &keys([6]), false);
+    m.prepare_store(R1, &keys([6])).unwrap();
+    assert_eq!(m.take_events(), vec![]);
+    m.complete_store(R1, &keys([6]), false);
+    m.take_events();
     assert_eq!(m.prepare_store(R1, &keys([7])).unwrap().slots, slots(&[1]));
 
     assert_eq!(m.lookup(R1, &key(5)), Lookup::Hit); // P3
@@ -103,8 +115,11 @@ fn refusals_and_contract_errors_leave_state_unchanged() {
         available: 0,
     });
     assert_eq!(m.prepare_store(R1, &keys([3])), refused);
+    m.take_metrics();
     let before = fingerprint(&m);
     assert_eq!(m.prepare_store(R1, &keys([3])), refused);
+    // The metrics saw the attempt (vLLM's allocation-size histogram counts refusals).
+    assert_eq!(m.take_metrics().allocation_sizes, [1]);
     assert_eq!(fingerprint(&m), before);
 
     assert_eq!(
