@@ -55,6 +55,12 @@ pub enum Error {
         /// Why.
         reason: &'static str,
     },
+    /// `reset_cache` while jobs are outstanding: end them and hand their results in first.
+    #[error("cannot reset the cache: {jobs} jobs outstanding")]
+    Busy {
+        /// Jobs not yet ended.
+        jobs: usize,
+    },
     /// A tier id beyond the configured tiers.
     #[error("{tier} is not configured")]
     UnknownTier {

@@ -131,6 +131,8 @@ pub struct Manager {
     cooldowns: Cooldowns,
     stats: Stats,
     closed: bool,
+    /// M13: after `reset_cache`, secondary hits are not promoted until `reset_flushed`.
+    promotions_held: bool,
 }
 
 impl Manager {
@@ -188,6 +190,7 @@ impl Manager {
                 tiers: Vec::new(),
             },
             closed: false,
+            promotions_held: false,
             config,
         })
     }
@@ -277,6 +280,9 @@ impl Manager {
     }
 
     fn lookup_tiers(&mut self, req: RequestId, key: &Key) -> Lookup {
+        if self.promotions_held {
+            return Lookup::Miss; // M13
+        }
         let mut busy = false;
         for t in 0..self.tiers.len() {
             let id = TierId(t as u16);
@@ -538,6 +544,37 @@ impl Manager {
     /// previous call.
     pub fn take_metrics(&mut self) -> crate::Metrics {
         self.primary.take_metrics()
+    }
+
+    /// M12, M13: vLLM 0.33's `reset_cache`: the primary forgets everything (the secondary
+    /// tiers keep their blocks); with tiers, promotions are held until
+    /// [`reset_flushed`](Self::reset_flushed). Refused with [`Error::Busy`] while a job is
+    /// outstanding.
+    pub fn reset_cache(&mut self) -> Result<(), Error> {
+        let running = self.jobs.values().filter(|o| !o.reported).count();
+        if running > 0 {
+            return Err(Error::Busy { jobs: running });
+        }
+        self.collect();
+        let requests = core::mem::take(&mut self.requests);
+        for (_, step) in requests.by_id {
+            for b in step.batches {
+                for &e in &b.entries {
+                    self.tiers[b.tier.index()].index.end_read(e, true, true);
+                }
+            }
+        }
+        self.primary.reset();
+        self.stats.load_pins = 0;
+        self.promotions_held = !self.tiers.is_empty();
+        tracing::debug!(held = self.promotions_held, "cache reset");
+        self.debug_check();
+        Ok(())
+    }
+
+    /// M14: vLLM 0.33's `on_reset_flushed`: promotions are no longer held.
+    pub fn reset_flushed(&mut self) {
+        self.promotions_held = false;
     }
 
     /// vLLM 0.33's `has_pending_work`: a job is outstanding, a result waits to be collected,
@@ -907,8 +944,8 @@ impl Manager {
         }
         let _ = write!(
             out,
-            " collected={} closed={} effects={:?} events={:?}",
-            self.collected, self.closed, self.effects, self.events
+            " collected={} closed={} held={} effects={:?} events={:?}",
+            self.collected, self.closed, self.promotions_held, self.effects, self.events
         );
         out
     }

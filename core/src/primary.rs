@@ -238,6 +238,24 @@ impl Primary {
         }
     }
 
+    /// M13: forgets every block, the recency state and the request records; the reuse filter's
+    /// counts and the metrics window stay. The caller ensures no transfer uses a slot.
+    pub(crate) fn reset(&mut self) {
+        let n = self.slots.len();
+        let kind = match self.policy {
+            Policy::Lru(_) => crate::config::PolicyKind::Lru,
+            Policy::Arc(_) => crate::config::PolicyKind::Arc,
+        };
+        self.slots.fill(FREE_SLOT);
+        self.index = IdTable::with_capacity(n, PRIMARY_TABLE_LOAD);
+        self.next_fresh = 0;
+        self.free.clear();
+        self.policy = Policy::new(kind, n);
+        self.requests.clear();
+        self.evictable = 0;
+        self.writing = 0;
+    }
+
     /// vLLM 0.33's `get_stats`: the gauges now, and the allocation sizes and skipped stores
     /// since the previous call (which this call resets).
     pub fn take_metrics(&mut self) -> Metrics {

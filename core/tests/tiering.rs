@@ -705,3 +705,35 @@ fn probes_are_bounded() {
     assert_eq!(jobs(&drain(&mut m)).len(), 1);
     assert_eq!(m.stats().tiers[0].1.probes_skipped, 1);
 }
+
+/// M12–M15: a reset waits for the jobs to end, forgets the primary, keeps the tiers, and holds
+/// promotions until the engine says the pre-reset transfers are flushed.
+#[test]
+fn reset_cache_forgets_the_primary_and_holds_promotions_until_flushed() {
+    let mut m = manager(4, &[8]);
+    store(&mut m, R1, &keys([1, 2]));
+    assert!(m.has_pending_work(), "the cascade is outstanding");
+    assert_eq!(m.reset_cache(), Err(Error::Busy { jobs: 1 }));
+    complete_all(&mut m);
+    assert!(m.has_pending_work(), "its result waits for collection");
+    m.prepare_load(R1, &keys([1])).unwrap();
+    assert_eq!(m.reset_cache(), Ok(()));
+    assert!(!m.has_pending_work());
+    assert!(m.primary().is_empty());
+    assert_eq!(m.primary().free_slots(), 4);
+    assert_eq!(m.stats().load_pins, 0);
+    assert_eq!(
+        m.complete_load(&keys([1])),
+        Err(Error::NotPinned { key: key(1) }),
+        "a forgotten pin"
+    );
+    // The tier kept both blocks, but promotions are held: a primary miss is a Miss.
+    assert_eq!(m.tier(T0).unwrap().len(), 2);
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::Miss);
+    assert!(drain(&mut m).is_empty(), "no promotion, no probe");
+    // Fresh slots again, from 0.
+    assert_eq!(m.prepare_store(R1, &keys([3])).unwrap().slots, [SlotId(0)]);
+    m.reset_flushed();
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::HitPending);
+    m.check_invariants().unwrap();
+}
