@@ -85,7 +85,7 @@ impl Default for HealthConfig {
 /// The optional reuse filter: only store keys that `lookup` has seen often enough.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReuseFilter {
-    /// Times a key must have been looked up before it is stored (at least 2).
+    /// Times a key must have been offered to `prepare_store` before it is stored (at least 2).
     pub store_threshold: u32,
     /// Keys the tracker remembers; the least recently seen is forgotten first.
     pub max_tracker_size: u32,

@@ -87,7 +87,12 @@ impl Access {
     }
 
     fn entry(&mut self, key: &Key) -> &mut AccessKey {
-        let i = match self.find(key) {
+        let i = self.entry_index(key);
+        &mut self.keys[i as usize]
+    }
+
+    fn entry_index(&mut self, key: &Key) -> u32 {
+        match self.find(key) {
             Some(i) => i,
             None => {
                 self.keys.push(AccessKey {
@@ -99,12 +104,7 @@ impl Access {
                 self.index.insert(hash(key), i);
                 i
             }
-        };
-        &mut self.keys[i as usize]
-    }
-
-    fn position(&self, key: &Key) -> Option<u64> {
-        self.find(key).and_then(|i| self.keys[i as usize].position)
+        }
     }
 
     /// R6: the seen keys, head to tail.
@@ -306,24 +306,21 @@ impl Primary {
 
     /// R3, R4: `req` accessed `keys` (in this order); the first-seen ones go to the policy.
     /// `reused` says which of them count as reuses (unless the request inserted them).
-    fn record(&mut self, req: RequestId, keys: &[Key], reused: &dyn Fn(&Key) -> bool) {
+    fn record<'k>(&mut self, req: RequestId, keys: impl IntoIterator<Item = (&'k Key, bool)>) {
         let access = self.requests.entry(req).or_default();
-        let mut fresh = Vec::new();
-        for key in keys {
-            let e = access.entry(key);
+        let first = access.seen.len();
+        for (key, reused) in keys {
+            let i = access.entry_index(key);
+            let e = &mut access.keys[i as usize];
             if e.flags & SEEN == 0 {
                 e.flags |= SEEN;
-                fresh.push(key);
+                access.seen.push(i);
             }
-            if reused(key) && e.flags & INSERTED == 0 {
+            if reused && e.flags & INSERTED == 0 {
                 e.flags |= REUSED;
             }
         }
-        for key in &fresh {
-            let i = access.find(key).expect("entered above");
-            access.seen.push(i);
-        }
-        if fresh.is_empty() {
+        if access.seen.len() == first {
             return;
         }
         // L4: the request takes its rank at its first access.
@@ -333,14 +330,15 @@ impl Primary {
         let Some(run) = access.run else {
             return;
         };
-        for key in fresh {
-            if let (Some(position), Some(s)) = (
-                access.position(key),
-                self.index.find(hash(key), |s| {
-                    self.slots[s as usize].key.as_ref() == Some(key)
-                }),
-            ) {
-                let slots = &self.slots;
+        for &i in &access.seen[first..] {
+            let e = &access.keys[i as usize];
+            let Some(position) = e.position else {
+                continue;
+            };
+            let slots = &self.slots;
+            if let Some(s) = self.index.find(hash(&e.key), |s| {
+                slots[s as usize].key.as_ref() == Some(&e.key)
+            }) {
                 let key_of = |id: u32| slots[id as usize].key.clone().expect("resident");
                 self.policy.access(s, run, position, &key_of);
             }
@@ -466,29 +464,26 @@ impl Primary {
             r.record_offer(keys); // P17
         }
         let mut to_store = Vec::new();
-        let mut ready = Vec::new();
         let mut protected = Vec::new();
+        // R3: the offered keys that are Ready (reuses) or to be stored, in offer order.
+        let mut recorded = Vec::with_capacity(keys.len());
         for key in keys {
             if let Some(s) = self.find(key) {
                 protected.push(s);
                 if self.slots[s as usize].state == SlotState::Ready {
-                    ready.push(key.clone());
+                    recorded.push((key, true));
                 }
             } else if self.reuse.as_ref().is_some_and(|r| !r.reused(key)) {
                 self.stores_skipped += 1; // P17: not offered often enough
                 self.window.stores_skipped += 1;
             } else {
                 to_store.push(key.clone());
+                recorded.push((key, false));
             }
         }
         dedup_in_order(&mut to_store);
         self.store_misses(req, &to_store);
-        let recorded: Vec<Key> = keys
-            .iter()
-            .filter(|k| to_store.contains(k) || ready.contains(k))
-            .cloned()
-            .collect();
-        self.record(req, &recorded, &|k| ready.contains(k));
+        self.record(req, recorded.iter().map(|(k, ready)| (*k, *ready)));
         if to_store.is_empty() {
             return Ok(PreparedStore::default()); // P4
         }
@@ -517,7 +512,7 @@ impl Primary {
     ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
         let keys = core::slice::from_ref(key);
         self.store_misses(req, keys);
-        self.record(req, keys, &|_| false);
+        self.record(req, keys.iter().map(|k| (k, false)));
         self.observe_allocation(1);
         self.admit(req, keys, protected, SlotState::Promoting)
     }
@@ -701,7 +696,7 @@ impl Primary {
             }
             self.slots[s.index()].load_pins += 1;
         }
-        self.record(req, keys, &|_| true);
+        self.record(req, keys.iter().map(|k| (k, true)));
         tracing::debug!(count = slots.len(), "primary prepare_load");
         Ok(slots)
     }
