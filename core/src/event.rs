@@ -40,6 +40,8 @@ pub struct Event {
 pub enum Lookup {
     /// The block is Ready in the primary tier.
     Hit,
+    /// Present but not yet readable: its store or promotion into the primary is in flight.
+    HitPending,
     /// The block is being written or promoted: ask again in a later step.
     Retry,
     /// No tier can provide the block: recompute it.

@@ -134,7 +134,7 @@ impl Harness {
                 let _answer = compare(
                     "prepare_store",
                     core.prepare_store(&ks),
-                    model.prepare_store(&ks),
+                    model.prepare_store(request(0), &ks),
                 )?;
             }
             Op::CompleteStore { req, keys: ks, ok } => {
@@ -147,7 +147,7 @@ impl Harness {
                 let prepared = compare(
                     "prepare_store",
                     core.prepare_store(&ks),
-                    model.prepare_store(&ks),
+                    model.prepare_store(request(*req), &ks),
                 )?;
                 if let Ok(p) = prepared {
                     core.complete_store(request(*req), &p.keys, *ok);
@@ -159,7 +159,7 @@ impl Harness {
                 let _answer = compare(
                     "prepare_load",
                     core.prepare_load(&ks),
-                    model.prepare_load(&ks),
+                    model.prepare_load(request(0), &ks),
                 )?;
             }
             Op::CompleteLoad { keys: ks } => {
