@@ -83,11 +83,11 @@ impl Rig {
         }
     }
 
-    /// Looks `k` up step after step until the answer is not Retry.
+    /// Looks `k` up step after step until the answer is neither Retry nor HitPending.
     fn lookup(&mut self, k: &Key) -> Lookup {
         for _ in 0..20 {
             match self.driver.lookup(RequestId(2), k) {
-                Lookup::Retry => self.driver.settle(1),
+                Lookup::Retry | Lookup::HitPending => self.driver.settle(1),
                 other => return other,
             }
         }

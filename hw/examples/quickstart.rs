@@ -50,7 +50,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     // Block 0 was evicted from the 2-slot primary; the file tier still has it.
     let mut answer = driver.lookup(req, &blocks[0]);
-    while answer == Lookup::Retry {
+    while matches!(answer, Lookup::Retry | Lookup::HitPending) {
         driver.settle(1); // the promotion runs; ask again next step
         answer = driver.lookup(req, &blocks[0]);
     }

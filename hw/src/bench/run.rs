@@ -368,7 +368,7 @@ pub fn run(
                         }
                     }
                     Lookup::Hit => {}
-                    Lookup::Retry => {
+                    Lookup::Retry | Lookup::HitPending => {
                         retry = true;
                         // Promoting: a promotion serves it. Pending: another request's store.
                         let promoting = matches!(
