@@ -19,7 +19,7 @@ mod reference;
 
 pub use harness::{Harness, Mismatch};
 pub use op::{ConfigChoice, Finish, Invalid, KEYS, MAX_LIST, Op, key, keys, request};
-pub use reference::RefModel;
+pub use reference::{BlockView, PolicyView, PrimaryView, RefModel};
 
 use arbitrary::{Arbitrary, Unstructured};
 use kvtier_core::{Config, Manager, PolicyKind, TierConfig, TierKind};

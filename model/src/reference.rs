@@ -1,11 +1,16 @@
 //! `RefModel`: the tiering contract written for obviousness.
 //!
 //! Every rule of `docs/state-machine.md` as plainly as it can be said: `BTreeMap`s keyed by
-//! block, recency as `Vec`s of keys scanned from the front, no indexes, no ids but the ones the
-//! contract gives out (slots and jobs). It predicts every observable answer of
-//! [`kvtier_core::Manager`]: lookups, slot ids, victims, errors, jobs, deletions and events.
-//! It is slow on purpose; it only has to be right.
+//! block, recency as `Vec`s of keys scanned from the front or as a rank stored per block and
+//! sorted, no indexes, no ids but the ones the contract gives out (slots and jobs). It
+//! predicts every observable answer of [`kvtier_core::Manager`]: lookups, slot ids, victims,
+//! errors, jobs, deletions and events. It is slow on purpose; it only has to be right.
+//!
+//! The primary follows vLLM 0.33's `CPUOffloadingManager`: a record per live request (the keys
+//! it accessed, inserted, reused and missed, and their positions) that the eviction policy
+//! applies when the request finishes (R1–R7), vLLM's ranked LRU (L1–L5) and its ARC (A1–A8).
 
+use std::cmp::Reverse;
 use std::collections::BTreeMap;
 
 use kvtier_core::{
@@ -35,10 +40,69 @@ impl Block {
     }
 }
 
-/// Recency of one tier: LRU (one list) or vLLM's simplified ARC.
+/// What one live request did to the primary (R1–R5), applied when it finishes (R6).
+#[derive(Clone, Debug, Default)]
+struct Record {
+    /// Every key the request accessed, in first-seen order (R3).
+    seen: Vec<Key>,
+    /// Keys its stores (or promotions) put in `to_store` and allocated (R4).
+    inserted: Vec<Key>,
+    /// Keys it read, except keys it had inserted by then (R4).
+    reused: Vec<Key>,
+    /// Keys that went to the policy as this request's store misses (R5).
+    missed: Vec<Key>,
+    /// End-token positions (R2).
+    positions: BTreeMap<Key, u64>,
+    /// LRU: the request's rank `r`, taken at its first access or positioned insert (L1, L4).
+    rank: Option<u64>,
+}
+
+/// The group index of a key: its last 4 bytes, big-endian; shorter keys are group 0 (R6).
+fn group_of(key: &Key) -> u32 {
+    let b = key.as_bytes();
+    if b.len() < 4 {
+        return 0;
+    }
+    u32::from_be_bytes(b[b.len() - 4..].try_into().expect("4 bytes"))
+}
+
+impl Record {
+    fn position(&self, key: &Key) -> Option<u64> {
+        self.positions.get(key).copied()
+    }
+
+    /// R6: the request's keys head to tail.
+    fn head_to_tail(&self) -> Vec<Key> {
+        let mut groups: BTreeMap<u32, Vec<Key>> = BTreeMap::new();
+        for k in &self.seen {
+            groups.entry(group_of(k)).or_default().push(k.clone());
+        }
+        let mut order = Vec::new();
+        for (_, mut keys) in groups {
+            if keys.iter().all(|k| self.position(k).is_some()) {
+                keys.sort_by_key(|k| self.position(k));
+            }
+            order.extend(keys);
+        }
+        if order.iter().all(|k| self.position(k).is_some()) {
+            order.sort_by_key(|k| self.position(k));
+        }
+        order
+    }
+}
+
+/// An LRU rank `(r, −position)`: smaller ranks are evicted first.
+type Rank = (u64, Reverse<u64>);
+
+/// Recency of one tier: vLLM's ranked LRU or its simplified ARC.
 #[derive(Clone, Debug)]
 enum Recency {
-    Lru(Vec<Key>),
+    Lru {
+        /// Every resident key's rank.
+        ranks: BTreeMap<Key, Rank>,
+        /// The last `r` given out.
+        last: u64,
+    },
     Arc {
         t1: Vec<Key>,
         t2: Vec<Key>,
@@ -59,10 +123,28 @@ fn remove_key(list: &mut Vec<Key>, key: &Key) -> bool {
     }
 }
 
+/// A5: a ghost in B1 raises `p`, one in B2 lowers it; the ghost moves to its list's end.
+fn ghost_hit(key: &Key, b1: &mut Vec<Key>, b2: &mut Vec<Key>, p: &mut f64, cap: usize) {
+    if b1.contains(key) {
+        let delta = (b2.len() as f64 / b1.len() as f64).max(1.0);
+        *p = (*p + delta).min(cap as f64);
+        remove_key(b1, key);
+        b1.push(key.clone());
+    } else if b2.contains(key) {
+        let delta = (b1.len() as f64 / b2.len() as f64).max(1.0);
+        *p = (*p - delta).max(0.0);
+        remove_key(b2, key);
+        b2.push(key.clone());
+    }
+}
+
 impl Recency {
     fn new(kind: PolicyKind, cap: usize) -> Self {
         match kind {
-            PolicyKind::Lru => Recency::Lru(Vec::new()),
+            PolicyKind::Lru => Recency::Lru {
+                ranks: BTreeMap::new(),
+                last: 0,
+            },
             PolicyKind::Arc => Recency::Arc {
                 t1: Vec::new(),
                 t2: Vec::new(),
@@ -74,10 +156,22 @@ impl Recency {
         }
     }
 
-    /// L1 / A1.
-    fn insert(&mut self, key: &Key) {
+    /// L1 / A1. `record` is the inserting request's (none for a tier).
+    fn insert(&mut self, key: &Key, record: Option<&mut Record>) {
         match self {
-            Recency::Lru(order) => order.push(key.clone()),
+            Recency::Lru { ranks, last } => {
+                let rank = match record {
+                    Some(rec) if rec.position(key).is_some() => {
+                        let pos = rec.position(key).expect("checked");
+                        (request_rank(rec, last), Reverse(pos))
+                    }
+                    _ => {
+                        *last += 1;
+                        (*last, Reverse(0))
+                    }
+                };
+                ranks.insert(key.clone(), rank);
+            }
             Recency::Arc { t1, b1, b2, .. } => {
                 t1.push(key.clone());
                 remove_key(b1, key);
@@ -89,8 +183,8 @@ impl Recency {
     /// The block left without eviction: no ghost.
     fn remove(&mut self, key: &Key) {
         match self {
-            Recency::Lru(order) => {
-                remove_key(order, key);
+            Recency::Lru { ranks, .. } => {
+                ranks.remove(key);
             }
             Recency::Arc { t1, t2, .. } => {
                 if !remove_key(t1, key) {
@@ -100,72 +194,129 @@ impl Recency {
         }
     }
 
-    /// L2 / A2–A5 for one key; `resident` says whether it is held and Ready.
-    fn touch(&mut self, key: &Key, resident: Option<bool>) {
-        match self {
-            Recency::Lru(order) => {
-                if resident.is_some() && remove_key(order, key) {
-                    order.push(key.clone());
+    /// L2 / A2–A5 for `keys`, walked last to first; `ready` says whether a held key is
+    /// Ready (`None`: not held).
+    fn touch(&mut self, keys: &[Key], ready: impl Fn(&Key) -> Option<bool>) {
+        for key in keys.iter().rev() {
+            match self {
+                Recency::Lru { ranks, last } => {
+                    if let Some(rank) = ranks.get_mut(key) {
+                        *last += 1;
+                        *rank = (*last, Reverse(0));
+                    }
                 }
-            }
-            Recency::Arc {
-                t1,
-                t2,
-                b1,
-                b2,
-                p,
-                cap,
-            } => {
-                if let Some(ready) = resident {
+                Recency::Arc {
+                    t1,
+                    t2,
+                    b1,
+                    b2,
+                    p,
+                    cap,
+                } => {
                     if remove_key(t1, key) {
-                        if ready { t2 } else { t1 }.push(key.clone());
+                        if ready(key) == Some(true) { t2 } else { t1 }.push(key.clone());
                     } else if remove_key(t2, key) {
                         t2.push(key.clone());
+                    } else {
+                        ghost_hit(key, b1, b2, p, *cap);
                     }
-                } else if remove_key(b1, key) {
-                    let ratio = b2.len() as f64 / (b1.len() + 1) as f64;
-                    *p = (*p + ratio.max(1.0)).min(*cap as f64);
-                    b1.push(key.clone());
-                } else if remove_key(b2, key) {
-                    let ratio = b1.len() as f64 / (b2.len() + 1) as f64;
-                    *p = (*p - ratio.max(1.0)).max(0.0);
-                    b2.push(key.clone());
                 }
             }
         }
     }
 
-    /// L3 / A6: up to `n` victims among the keys `eligible` accepts.
-    fn select(&self, n: usize, eligible: impl Fn(&Key) -> bool) -> Vec<Key> {
-        let mut chosen: Vec<Key> = Vec::new();
-        match self {
-            Recency::Lru(order) => {
-                for k in order {
-                    if chosen.len() < n && eligible(k) {
-                        chosen.push(k.clone());
+    /// L4: the request's newly seen keys (ARC: nothing).
+    fn access(&mut self, new_keys: &[Key], record: &mut Record) {
+        if let Recency::Lru { ranks, last } = self {
+            let r = request_rank(record, last);
+            for k in new_keys {
+                let (Some(pos), Some(rank)) = (record.position(k), ranks.get_mut(k)) else {
+                    continue;
+                };
+                if *rank < (r, Reverse(pos)) {
+                    *rank = (r, Reverse(pos));
+                }
+            }
+        }
+    }
+
+    /// A7: store misses, last to first (LRU: nothing, the keys are not held).
+    fn store_miss(&mut self, keys: &[Key]) {
+        if let Recency::Arc { b1, b2, p, cap, .. } = self {
+            for k in keys.iter().rev() {
+                ghost_hit(k, b1, b2, p, *cap);
+            }
+        }
+    }
+
+    /// L5 / A8: a finished request's keys, head to tail, walked tail to head.
+    fn finish(&mut self, record: &Record) {
+        for key in record.head_to_tail().iter().rev() {
+            match self {
+                Recency::Lru { ranks, last } => {
+                    if let Some(rank) = ranks.get_mut(key) {
+                        *last += 1;
+                        *rank = (*last, Reverse(0));
+                    }
+                }
+                Recency::Arc { t1, t2, .. } => {
+                    let reused = record.reused.contains(key);
+                    let inserted_only = record.inserted.contains(key) && !reused;
+                    if inserted_only {
+                        if remove_key(t1, key) {
+                            t1.push(key.clone());
+                        } else if remove_key(t2, key) {
+                            t2.push(key.clone());
+                        }
+                    } else if reused && (remove_key(t1, key) || remove_key(t2, key)) {
+                        t2.push(key.clone());
                     }
                 }
             }
+        }
+    }
+
+    /// L3 / A6: up to `n` victims among the keys `eligible` accepts, in eviction order.
+    /// Fewer than `n` means the policy refuses.
+    fn select(&self, n: usize, eligible: impl Fn(&Key) -> bool) -> Vec<Key> {
+        let mut chosen: Vec<Key> = Vec::new();
+        match self {
+            Recency::Lru { ranks, .. } => {
+                let mut order: Vec<(Rank, &Key)> = ranks
+                    .iter()
+                    .filter(|(k, _)| eligible(k))
+                    .map(|(k, r)| (*r, k))
+                    .collect();
+                order.sort();
+                chosen.extend(order.into_iter().take(n).map(|(_, k)| k.clone()));
+            }
             Recency::Arc { t1, t2, p, .. } => {
                 let mut t1_len = t1.len();
+                let next = |list: &Vec<Key>, chosen: &Vec<Key>| {
+                    list.iter()
+                        .find(|k| eligible(k) && !chosen.contains(k))
+                        .cloned()
+                };
                 for _ in 0..n {
-                    let pick = |list: &Vec<Key>, chosen: &Vec<Key>| {
-                        list.iter()
-                            .find(|k| eligible(k) && !chosen.contains(k))
-                            .cloned()
-                    };
-                    let from_t1 = if t1_len >= p.floor() as usize {
-                        pick(t1, &chosen)
-                    } else {
-                        None
-                    };
-                    if let Some(k) = from_t1 {
-                        chosen.push(k);
-                        t1_len -= 1;
-                    } else if let Some(k) = pick(t2, &chosen) {
-                        chosen.push(k);
-                    } else {
-                        break;
+                    let mut pick = None;
+                    if t1_len >= p.floor() as usize {
+                        pick = next(t1, &chosen);
+                        if pick.is_some() {
+                            t1_len -= 1;
+                        }
+                    }
+                    if pick.is_none() {
+                        pick = next(t2, &chosen);
+                    }
+                    if pick.is_none() {
+                        pick = next(t1, &chosen);
+                        if pick.is_some() {
+                            t1_len -= 1;
+                        }
+                    }
+                    match pick {
+                        Some(k) => chosen.push(k),
+                        None => break,
                     }
                 }
             }
@@ -173,11 +324,14 @@ impl Recency {
         chosen
     }
 
-    /// A6: evicted blocks become ghosts of their list, each ghost list bounded.
-    fn evict(&mut self, key: &Key) {
+    /// A6: evicted blocks become ghosts of their list, then each ghost list is trimmed to
+    /// the capacity from its oldest end.
+    fn evict(&mut self, victims: &[Key]) {
         match self {
-            Recency::Lru(order) => {
-                remove_key(order, key);
+            Recency::Lru { ranks, .. } => {
+                for v in victims {
+                    ranks.remove(v);
+                }
             }
             Recency::Arc {
                 t1,
@@ -187,19 +341,108 @@ impl Recency {
                 cap,
                 ..
             } => {
-                let ghosts = if remove_key(t1, key) {
-                    b1
-                } else {
-                    remove_key(t2, key);
-                    b2
-                };
-                ghosts.push(key.clone());
-                while ghosts.len() > *cap {
-                    ghosts.remove(0);
+                for v in victims {
+                    if remove_key(t1, v) {
+                        b1.push(v.clone());
+                    } else if remove_key(t2, v) {
+                        b2.push(v.clone());
+                    }
+                }
+                for ghosts in [b1, b2] {
+                    while ghosts.len() > *cap {
+                        ghosts.remove(0);
+                    }
                 }
             }
         }
     }
+
+    fn view(&self) -> PolicyView {
+        match self {
+            Recency::Lru { ranks, .. } => {
+                let mut order: Vec<(Rank, &Key)> = ranks.iter().map(|(k, r)| (*r, k)).collect();
+                order.sort();
+                let mut runs: Vec<(Rank, Vec<Key>)> = Vec::new();
+                for (rank, key) in order {
+                    match runs.last_mut() {
+                        Some((r, keys)) if *r == rank => keys.push(key.clone()),
+                        _ => runs.push((rank, vec![key.clone()])),
+                    }
+                }
+                PolicyView::Lru {
+                    order: runs.into_iter().map(|(_, keys)| keys).collect(),
+                }
+            }
+            Recency::Arc {
+                t1, t2, b1, b2, p, ..
+            } => PolicyView::Arc {
+                p: *p,
+                t1: t1.clone(),
+                t2: t2.clone(),
+                b1: b1.clone(),
+                b2: b2.clone(),
+            },
+        }
+    }
+}
+
+/// L1, L4: the request's `r`, given out fresh at its first use.
+fn request_rank(record: &mut Record, last: &mut u64) -> u64 {
+    *record.rank.get_or_insert_with(|| {
+        *last += 1;
+        *last
+    })
+}
+
+/// The primary's policy state, for comparison with vLLM's.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PolicyView {
+    /// Ranked LRU: every held block grouped by rank, the next victims' group first; blocks of
+    /// one rank (a request's blocks at the same position) in key order, which is also the
+    /// order they are evicted in.
+    Lru {
+        /// The groups, by ascending rank.
+        order: Vec<Vec<Key>>,
+    },
+    /// ARC: each list least recent first.
+    Arc {
+        /// The target size of T1.
+        p: f64,
+        /// Blocks not reused since they were stored.
+        t1: Vec<Key>,
+        /// Blocks reused.
+        t2: Vec<Key>,
+        /// Ghosts evicted from T1.
+        b1: Vec<Key>,
+        /// Ghosts evicted from T2.
+        b2: Vec<Key>,
+    },
+}
+
+/// One block held in the primary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockView {
+    /// Its key.
+    pub key: Key,
+    /// Its slot.
+    pub slot: SlotId,
+    /// Ready (readable), rather than Pending or Promoting.
+    pub ready: bool,
+    /// Load pins plus cascade pins.
+    pub pins: u32,
+}
+
+/// The primary's state, for comparison with vLLM's `CPUOffloadingManager`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrimaryView {
+    /// Slots handed out at least once (fresh slots go in increasing order).
+    pub fresh_used: u32,
+    /// The free stack, the next slot to reuse last.
+    pub free: Vec<SlotId>,
+    /// Every held block, in key order.
+    pub blocks: Vec<BlockView>,
+    /// The eviction policy.
+    pub policy: PolicyView,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -240,14 +483,14 @@ impl Tier {
         });
         for v in &victims {
             self.entries.remove(v);
-            self.recency.evict(v);
         }
+        self.recency.evict(&victims);
         victims
     }
 
     fn insert(&mut self, key: &Key, e: Entry) {
         self.entries.insert(key.clone(), e);
-        self.recency.insert(key);
+        self.recency.insert(key, None);
         self.absent.retain(|(k, _)| k != key);
     }
 
@@ -257,11 +500,12 @@ impl Tier {
     }
 }
 
-#[derive(Clone, Debug, Default)]
-struct RequestStep {
-    hits: Vec<Key>,
-    /// Per tier in first-seen order: the promoted blocks in lookup order.
-    batches: Vec<(TierId, Vec<Transfer>)>,
+/// The promotions staged in one step for one tier: per request, in the order of its first
+/// promotion from the tier, the blocks in lookup order (M4, M5).
+#[derive(Clone, Debug)]
+struct Batch {
+    tier: TierId,
+    requests: Vec<(RequestId, Vec<Transfer>)>,
 }
 
 /// The reference model of a [`kvtier_core::Manager`].
@@ -272,9 +516,11 @@ pub struct RefModel {
     next_fresh: u32,
     free: Vec<u32>,
     recency: Recency,
-    /// Reuse filter: key → (times seen, when last seen); least recently seen forgotten first.
-    seen: BTreeMap<Key, (u32, u64)>,
-    clock: u64,
+    /// The live requests' records (R1), in creation order.
+    records: Vec<(RequestId, Record)>,
+    /// Reuse filter (P17): tracked keys with their offer counts, least recent first.
+    tracker: Vec<(Key, u32)>,
+    stores_skipped: u64,
     tiers: Vec<Tier>,
     jobs: BTreeMap<JobId, (Job, bool)>,
     next_job: u64,
@@ -283,7 +529,10 @@ pub struct RefModel {
     events: Vec<Event>,
     step: u64,
     collected: bool,
-    requests: Vec<(RequestId, RequestStep)>,
+    /// This step's hits per request (★8).
+    hits: Vec<(RequestId, Vec<Key>)>,
+    /// This step's promotions, tiers in the order of their first staged promotion (M5).
+    batches: Vec<Batch>,
     cooldown: BTreeMap<(TierId, Key), u64>,
     closed: bool,
 }
@@ -314,8 +563,9 @@ impl RefModel {
             blocks: BTreeMap::new(),
             next_fresh: 0,
             free: Vec::new(),
-            seen: BTreeMap::new(),
-            clock: 0,
+            records: Vec::new(),
+            tracker: Vec::new(),
+            stores_skipped: 0,
             tiers,
             jobs: BTreeMap::new(),
             next_job: 1,
@@ -324,7 +574,8 @@ impl RefModel {
             events: Vec::new(),
             step: 0,
             collected: false,
-            requests: Vec::new(),
+            hits: Vec::new(),
+            batches: Vec::new(),
             cooldown: BTreeMap::new(),
             closed: false,
             config,
@@ -344,18 +595,91 @@ impl RefModel {
             .count()
     }
 
+    /// Offered keys the reuse filter left out of stores so far (P17).
+    pub fn stores_skipped(&self) -> u64 {
+        self.stores_skipped
+    }
+
+    /// The primary's slots, blocks and policy state.
+    pub fn primary_view(&self) -> PrimaryView {
+        PrimaryView {
+            fresh_used: self.next_fresh,
+            free: self.free.iter().map(|&s| SlotId(s)).collect(),
+            blocks: self
+                .blocks
+                .iter()
+                .map(|(k, b)| BlockView {
+                    key: k.clone(),
+                    slot: SlotId(b.slot),
+                    ready: b.state == State::Ready,
+                    pins: b.load_pins + b.job_pins,
+                })
+                .collect(),
+            policy: self.recency.view(),
+        }
+    }
+
     fn emit(&mut self, medium: Medium, kind: EventKind, keys: Vec<Key>) {
         if self.config.events && !keys.is_empty() {
             self.events.push(Event { medium, kind, keys });
         }
     }
 
-    fn request(&mut self, req: RequestId) -> &mut RequestStep {
-        if let Some(i) = self.requests.iter().position(|(r, _)| *r == req) {
-            return &mut self.requests[i].1;
+    /// R1: `req`'s record, created if it has none.
+    fn record(&mut self, req: RequestId) -> &mut Record {
+        if let Some(i) = self.records.iter().position(|(r, _)| *r == req) {
+            return &mut self.records[i].1;
         }
-        self.requests.push((req, RequestStep::default()));
-        &mut self.requests.last_mut().expect("pushed").1
+        self.records.push((req, Record::default()));
+        &mut self.records.last_mut().expect("pushed").1
+    }
+
+    // ----- requests ------------------------------------------------------------------
+
+    /// R1.
+    pub fn new_request(&mut self, req: RequestId) {
+        self.record(req);
+    }
+
+    /// R2.
+    pub fn set_position(&mut self, req: RequestId, key: &Key, end_token: u64) {
+        self.record(req).positions.insert(key.clone(), end_token);
+    }
+
+    /// R6, R7: the request's keys go to the policy and its record is dropped.
+    pub fn request_finished(&mut self, req: RequestId) {
+        if let Some(i) = self.records.iter().position(|(r, _)| *r == req) {
+            let (_, record) = self.records.remove(i);
+            self.recency.finish(&record);
+        }
+    }
+
+    /// R3, R4: `keys` accessed by `req` (the newly seen ones go to the policy as one
+    /// access); `reused` are the keys it read.
+    fn access(&mut self, req: RequestId, keys: &[Key], reused: &[Key]) {
+        let i = match self.records.iter().position(|(r, _)| *r == req) {
+            Some(i) => i,
+            None => {
+                self.records.push((req, Record::default()));
+                self.records.len() - 1
+            }
+        };
+        let record = &mut self.records[i].1;
+        let mut new_keys: Vec<Key> = Vec::new();
+        for k in keys {
+            if !record.seen.contains(k) {
+                record.seen.push(k.clone());
+                new_keys.push(k.clone());
+            }
+        }
+        if !new_keys.is_empty() {
+            self.recency.access(&new_keys, record);
+        }
+        for k in reused {
+            if !record.inserted.contains(k) && !record.reused.contains(k) {
+                record.reused.push(k.clone());
+            }
+        }
     }
 
     // ----- primary -------------------------------------------------------------------
@@ -364,15 +688,37 @@ impl RefModel {
         (self.config.num_blocks - self.next_fresh) as usize + self.free.len()
     }
 
-    /// P6/P7 and M4: make room for `keys` without evicting `protected`, insert them in
-    /// `state`. All or nothing.
+    /// P4–P7 and M4: `req` stores the offered keys `offer`, of which `to_store` are absent
+    /// and to be stored and `ready` are Ready. Store misses (R5) and the access (R3) happen
+    /// first; then room is made without evicting `protected`, and `to_store` is inserted
+    /// in `state`. The allocation is all or nothing.
     fn admit(
         &mut self,
-        keys: &[Key],
+        req: RequestId,
+        offer: &[Key],
+        to_store: &[Key],
+        ready: &[Key],
         protected: &[Key],
         state: State,
     ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
-        let needed = keys.len().saturating_sub(self.free_slots());
+        let record = self.record(req);
+        let misses: Vec<Key> = to_store
+            .iter()
+            .filter(|k| !record.missed.contains(k))
+            .cloned()
+            .collect();
+        record.missed.extend(misses.iter().cloned());
+        self.recency.store_miss(&misses);
+        let accessed: Vec<Key> = offer
+            .iter()
+            .filter(|k| to_store.contains(k) || ready.contains(k))
+            .cloned()
+            .collect();
+        self.access(req, &accessed, ready);
+        if to_store.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let needed = to_store.len().saturating_sub(self.free_slots());
         let victims = self.recency.select(needed, |k| {
             self.blocks[k].evictable() && !protected.contains(k)
         });
@@ -385,11 +731,11 @@ impl RefModel {
         for v in &victims {
             let b = self.blocks.remove(v).expect("victim is held");
             self.free.push(b.slot);
-            self.recency.evict(v);
         }
+        self.recency.evict(&victims);
         self.emit(Medium::Primary, EventKind::Removed, victims.clone());
         let mut slots = Vec::new();
-        for k in keys {
+        for k in to_store {
             let slot = if self.next_fresh < self.config.num_blocks {
                 self.next_fresh += 1;
                 self.next_fresh - 1
@@ -405,9 +751,18 @@ impl RefModel {
                     job_pins: 0,
                 },
             );
-            self.recency.insert(k);
             slots.push(SlotId(slot));
         }
+        let i = self
+            .records
+            .iter()
+            .position(|(r, _)| *r == req)
+            .expect("recorded above");
+        let record = &mut self.records[i].1;
+        for k in to_store {
+            self.recency.insert(k, Some(&mut *record));
+        }
+        record.inserted.extend(to_store.iter().cloned());
         Ok((slots, victims))
     }
 
@@ -419,40 +774,28 @@ impl RefModel {
 
     // ----- the calls -------------------------------------------------------------------
 
+    /// M1: apply every result received so far.
     fn collect(&mut self) {
-        if !self.collected {
-            self.collected = true;
-            for r in std::mem::take(&mut self.inbox) {
-                self.apply(r, false);
-            }
+        self.collected = true;
+        for r in std::mem::take(&mut self.inbox) {
+            self.apply(r, false);
         }
     }
 
     /// M2–M4.
     pub fn lookup(&mut self, req: RequestId, key: &Key) -> Lookup {
-        self.collect();
-        if let Some(reuse) = self.config.reuse {
-            self.clock += 1;
-            let count = self.seen.get(key).map_or(0, |s| s.0);
-            self.seen
-                .insert(key.clone(), (count.saturating_add(1), self.clock));
-            let max = reuse.max_tracker_size as usize;
-            if self.seen.len() > max {
-                let oldest = self
-                    .seen
-                    .iter()
-                    .min_by_key(|(_, s)| s.1)
-                    .map(|(k, _)| k.clone())
-                    .expect("not empty");
-                self.seen.remove(&oldest);
-            }
+        if !self.collected {
+            self.collect();
         }
         if let Some(b) = self.blocks.get(key) {
             if b.state == State::Ready {
-                self.request(req).hits.push(key.clone());
+                match self.hits.iter_mut().find(|(r, _)| *r == req) {
+                    Some((_, hits)) => hits.push(key.clone()),
+                    None => self.hits.push((req, vec![key.clone()])),
+                }
                 return Lookup::Hit;
             }
-            return Lookup::Retry;
+            return Lookup::HitPending;
         }
         let mut busy = false;
         for t in 0..self.tiers.len() {
@@ -488,16 +831,18 @@ impl RefModel {
         if busy { Lookup::Retry } else { Lookup::Miss }
     }
 
+    /// M4: a promotion is admitted as `req`'s store of `key` would be (without the reuse
+    /// filter), protecting `req`'s hits of this step.
     fn promote(&mut self, req: RequestId, tier: TierId, key: &Key) -> Lookup {
-        let protected: Vec<Key> = self
-            .requests
+        let mut protected: Vec<Key> = self
+            .hits
             .iter()
             .filter(|(r, _)| *r == req)
-            .flat_map(|(_, s)| s.hits.iter())
-            .cloned()
+            .flat_map(|(_, hits)| hits.iter().cloned())
             .collect();
-        let Ok((slots, _)) = self.admit(std::slice::from_ref(key), &protected, State::Promoting)
-        else {
+        protected.push(key.clone());
+        let one = std::slice::from_ref(key);
+        let Ok((slots, _)) = self.admit(req, one, one, &[], &protected, State::Promoting) else {
             return Lookup::Miss;
         };
         if let Some(Entry::Present(r)) = self.tiers[tier.0 as usize].entries.get_mut(key) {
@@ -507,36 +852,82 @@ impl RefModel {
             key: key.clone(),
             slot: slots[0],
         };
-        let step = self.request(req);
-        match step.batches.iter_mut().find(|(t, _)| *t == tier) {
+        let batch = match self.batches.iter().position(|b| b.tier == tier) {
+            Some(i) => &mut self.batches[i],
+            None => {
+                self.batches.push(Batch {
+                    tier,
+                    requests: Vec::new(),
+                });
+                self.batches.last_mut().expect("pushed")
+            }
+        };
+        match batch.requests.iter_mut().find(|(r, _)| *r == req) {
             Some((_, blocks)) => blocks.push(transfer),
-            None => step.batches.push((tier, vec![transfer])),
+            None => batch.requests.push((req, vec![transfer])),
         }
-        Lookup::Retry
+        Lookup::HitPending
     }
 
-    /// P4–P7, P17.
-    pub fn prepare_store(&mut self, _req: RequestId, keys: &[Key]) -> Result<PreparedStore, Error> {
-        self.collect();
-        let mut to_store: Vec<Key> = Vec::new();
-        for k in keys {
-            let reused = match self.config.reuse {
-                None => true,
-                Some(r) => self.seen.get(k).is_some_and(|s| s.0 >= r.store_threshold),
-            };
-            if !self.blocks.contains_key(k) && reused && !to_store.contains(k) {
-                to_store.push(k.clone());
+    /// P17: counts an offer; an untracked key is tracked when there is room or a tracked
+    /// key not in this offer can be forgotten (the least recent).
+    fn count_offer(&mut self, offer: &[Key], max: usize) {
+        for k in offer {
+            if let Some(i) = self.tracker.iter().position(|(t, _)| t == k) {
+                let (key, count) = self.tracker.remove(i);
+                self.tracker.push((key, count + 1));
             }
         }
-        if to_store.is_empty() {
-            return Ok(PreparedStore::default());
+        for k in offer {
+            if self.tracker.iter().any(|(t, _)| t == k) {
+                continue;
+            }
+            if self.tracker.len() >= max {
+                match self.tracker.iter().position(|(t, _)| !offer.contains(t)) {
+                    Some(i) => {
+                        self.tracker.remove(i);
+                    }
+                    None => continue,
+                }
+            }
+            self.tracker.push((k.clone(), 1));
         }
-        let protected: Vec<Key> = keys
-            .iter()
-            .filter(|k| self.blocks.contains_key(*k))
-            .cloned()
-            .collect();
-        let (slots, evicted) = self.admit(&to_store, &protected, State::Pending)?;
+    }
+
+    /// P4–P7, P17, R3–R5.
+    pub fn prepare_store(&mut self, req: RequestId, keys: &[Key]) -> Result<PreparedStore, Error> {
+        self.collect();
+        let mut offer: Vec<Key> = Vec::new();
+        for k in keys {
+            if !offer.contains(k) {
+                offer.push(k.clone());
+            }
+        }
+        if let Some(reuse) = self.config.reuse {
+            self.count_offer(&offer, reuse.max_tracker_size as usize);
+        }
+        let mut to_store: Vec<Key> = Vec::new();
+        let mut ready: Vec<Key> = Vec::new();
+        for k in &offer {
+            match self.blocks.get(k) {
+                None => to_store.push(k.clone()),
+                Some(b) if b.state == State::Ready => ready.push(k.clone()),
+                Some(_) => {}
+            }
+        }
+        if let Some(reuse) = self.config.reuse {
+            let count = |k: &Key| {
+                self.tracker
+                    .iter()
+                    .find(|(t, _)| t == k)
+                    .map_or(0, |(_, c)| *c)
+            };
+            let candidates = to_store.len();
+            to_store.retain(|k| count(k) >= reuse.store_threshold);
+            self.stores_skipped += (candidates - to_store.len()) as u64;
+        }
+        let (slots, evicted) =
+            self.admit(req, &offer, &to_store, &ready, &offer, State::Pending)?;
         Ok(PreparedStore {
             keys: to_store,
             slots,
@@ -617,22 +1008,23 @@ impl RefModel {
         }
     }
 
-    /// P11–P12.
-    pub fn prepare_load(&mut self, _req: RequestId, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
-        self.collect();
+    /// P11–P12, R3–R4. Does not collect (M1).
+    pub fn prepare_load(&mut self, req: RequestId, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
         for k in keys {
             if self.blocks.get(k).is_none_or(|b| b.state != State::Ready) {
                 return Err(Error::NotReady { key: k.clone() });
             }
         }
-        Ok(keys
+        let slots = keys
             .iter()
             .map(|k| {
                 let b = self.blocks.get_mut(k).expect("checked");
                 b.load_pins += 1;
                 SlotId(b.slot)
             })
-            .collect())
+            .collect();
+        self.access(req, keys, keys);
+        Ok(slots)
     }
 
     /// P13–P14.
@@ -651,23 +1043,26 @@ impl RefModel {
 
     /// M8.
     pub fn touch(&mut self, keys: &[Key]) {
-        for k in keys.iter().rev() {
-            let resident = self.blocks.get(k).map(|b| b.state == State::Ready);
-            self.recency.touch(k, resident);
-            for tier in &mut self.tiers {
-                let resident = tier.entries.get(k).map(|e| matches!(e, Entry::Present(_)));
-                tier.recency.touch(k, resident);
-            }
+        let blocks = &self.blocks;
+        self.recency
+            .touch(keys, |k| blocks.get(k).map(|b| b.state == State::Ready));
+        for tier in &mut self.tiers {
+            let entries = &tier.entries;
+            tier.recency.touch(keys, |k| {
+                entries.get(k).map(|e| matches!(e, Entry::Present(_)))
+            });
         }
     }
 
     /// M5.
     pub fn end_step(&mut self) {
-        self.collect();
-        for (req, step) in std::mem::take(&mut self.requests) {
-            for (tier, blocks) in step.batches {
+        if !self.collected {
+            self.collect();
+        }
+        for batch in std::mem::take(&mut self.batches) {
+            for (req, blocks) in batch.requests {
                 self.submit(
-                    tier,
+                    batch.tier,
                     JobKind::Load {
                         request: req,
                         blocks: blocks.into(),
@@ -684,6 +1079,7 @@ impl RefModel {
                 self.tiers[t].health = Health::Probing(job);
             }
         }
+        self.hits.clear();
         self.step += 1;
         let step = self.step;
         self.cooldown.retain(|_, until| *until > step);
@@ -790,12 +1186,12 @@ impl RefModel {
                 true,
             );
         }
-        for (_, step) in std::mem::take(&mut self.requests) {
-            for (tier, blocks) in step.batches {
+        for batch in std::mem::take(&mut self.batches) {
+            for (_, blocks) in batch.requests {
                 for b in &blocks {
                     self.release(&b.key);
                     if let Some(Entry::Present(r)) =
-                        self.tiers[tier.0 as usize].entries.get_mut(&b.key)
+                        self.tiers[batch.tier.0 as usize].entries.get_mut(&b.key)
                     {
                         *r -= 1;
                     }
@@ -943,5 +1339,68 @@ impl RefModel {
         } else {
             tier.failures = 0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(name: &str) -> Key {
+        Key::new(name.as_bytes())
+    }
+
+    /// One request that stores `names` (all absent) and finishes.
+    fn store(m: &mut RefModel, req: u64, names: &[&str]) -> PreparedStore {
+        let keys: Vec<Key> = names.iter().map(|n| k(n)).collect();
+        let r = RequestId(req);
+        m.new_request(r);
+        let prepared = m.prepare_store(r, &keys).expect("room");
+        m.complete_store(r, &prepared.keys, true);
+        m.request_finished(r);
+        prepared
+    }
+
+    fn arc(view: PrimaryView) -> (f64, Vec<Key>, Vec<Key>) {
+        match view.policy {
+            PolicyView::Arc { p, t1, t2, .. } => (p, t1, t2),
+            other => panic!("not ARC: {other:?}"),
+        }
+    }
+
+    // Rule A6: a store that fits after evicting every unpinned, eligible block succeeds,
+    // also when T1 is below its target and T2 holds fewer eligible blocks than the shortfall.
+    #[test]
+    fn arc_eviction_falls_back_to_t1_when_t2_runs_out() {
+        let mut c = Config::new(3);
+        c.policy = PolicyKind::Arc;
+        let mut m = RefModel::new(c);
+        for (req, name) in [(1, "a"), (2, "b"), (3, "c")] {
+            store(&mut m, req, &[name]);
+        }
+        // Each store evicts T1's oldest block; storing the evicted key again is a B1 ghost
+        // hit that raises p by 1, until p reaches the capacity.
+        assert_eq!(store(&mut m, 4, &["d"]).evicted, vec![k("a")]);
+        assert_eq!(store(&mut m, 5, &["a"]).evicted, vec![k("b")]);
+        assert_eq!(store(&mut m, 6, &["b"]).evicted, vec![k("c")]);
+        assert_eq!(store(&mut m, 7, &["c"]).evicted, vec![k("d")]);
+        // A request that reads `a` moves it to T2 when it finishes.
+        let r = RequestId(8);
+        m.new_request(r);
+        m.prepare_load(r, &[k("a")]).expect("ready");
+        m.complete_load(&[k("a")]).expect("pinned");
+        m.request_finished(r);
+        let (p, t1, t2) = arc(m.primary_view());
+        assert_eq!(p, 3.0);
+        assert_eq!((t1, t2), (vec![k("b"), k("c")], vec![k("a")]));
+        // Two blocks to free, |T1| = 2 < p: T2 gives `a`, then T2 has nothing left and T1
+        // gives `b`.
+        let r = RequestId(9);
+        m.new_request(r);
+        let prepared = m
+            .prepare_store(r, &[k("x"), k("y")])
+            .expect("two blocks can be freed");
+        assert_eq!(prepared.evicted, vec![k("a"), k("b")]);
+        assert_eq!(prepared.keys, vec![k("x"), k("y")]);
     }
 }
