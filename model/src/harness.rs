@@ -208,6 +208,15 @@ impl Harness {
                     model.restore_tier(tier, &ks),
                 )?;
             }
+            Op::Position { req, key: k, pos } => {
+                let (r, k) = (request(*req), key(*k));
+                core.set_position(r, &k, 16 * u64::from(*pos));
+                model.set_position(r, &k, 16 * u64::from(*pos));
+            }
+            Op::RequestFinished { req } => {
+                core.request_finished(request(*req));
+                model.request_finished(request(*req));
+            }
             Op::Shutdown => {
                 core.shutdown();
                 model.shutdown();

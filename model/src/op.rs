@@ -128,6 +128,20 @@ pub enum Op {
         /// Keys.
         keys: Vec<u8>,
     },
+    /// `set_position(request, key, 16 * pos)` (rule R2).
+    Position {
+        /// Request.
+        req: u8,
+        /// Key.
+        key: u8,
+        /// The end-token position, in 16-token chunks (equal positions happen).
+        pos: u8,
+    },
+    /// `request_finished(request)` (rule R6).
+    RequestFinished {
+        /// Request.
+        req: u8,
+    },
     /// `shutdown()`.
     Shutdown,
     /// A deliberately invalid call, which must be refused without change.
@@ -177,7 +191,13 @@ impl<'a> Arbitrary<'a> for Op {
                 tier: u.int_in_range(0..=1u8)?,
                 keys: list(u)?,
             },
-            187..=198 => Op::Invalid {
+            187..=190 => Op::Position {
+                req: req(u)?,
+                key: u.int_in_range(0..=KEYS - 1)?,
+                pos: u.int_in_range(1..=8u8)?,
+            },
+            191..=193 => Op::RequestFinished { req: req(u)? },
+            194..=198 => Op::Invalid {
                 what: Invalid::arbitrary(u)?,
                 arg: u8::arbitrary(u)?,
             },
@@ -228,6 +248,8 @@ impl Op {
             1 => (0..2u8).prop_map(|tier| Op::TierDown { tier }),
             1 => (0..2u8, key_list()).prop_map(|(tier, keys)| Op::Restore { tier, keys }),
             1 => (invalid(), any::<u8>()).prop_map(|(what, arg)| Op::Invalid { what, arg }),
+            2 => (0..3u8, 0..KEYS, 1..=8u8).prop_map(|(req, key, pos)| Op::Position { req, key, pos }),
+            1 => (0..3u8).prop_map(|req| Op::RequestFinished { req }),
             // Shutdown ends the interesting part of a run; keep it rare.
             1 => (0..20u8).prop_map(|n| if n == 0 { Op::Shutdown } else { Op::EndStep }),
         ]

@@ -904,7 +904,8 @@ impl RefModel {
             }
         }
         if let Some(reuse) = self.config.reuse {
-            self.count_offer(&offer, reuse.max_tracker_size as usize);
+            // vLLM counts every occurrence of an offered key, repeated ones too.
+            self.count_offer(keys, reuse.max_tracker_size as usize);
         }
         let mut to_store: Vec<Key> = Vec::new();
         let mut ready: Vec<Key> = Vec::new();
@@ -922,9 +923,13 @@ impl RefModel {
                     .find(|(t, _)| t == k)
                     .map_or(0, |(_, c)| *c)
             };
-            let candidates = to_store.len();
+            // Skipped: every offered occurrence of an absent key below the threshold.
+            let skipped = keys
+                .iter()
+                .filter(|k| !self.blocks.contains_key(k) && count(k) < reuse.store_threshold)
+                .count();
             to_store.retain(|k| count(k) >= reuse.store_threshold);
-            self.stores_skipped += (candidates - to_store.len()) as u64;
+            self.stores_skipped += skipped as u64;
         }
         let (slots, evicted) =
             self.admit(req, &offer, &to_store, &ready, &offer, State::Pending)?;
@@ -938,6 +943,7 @@ impl RefModel {
     /// P8–P10 and M6–M7.
     pub fn complete_store(&mut self, req: RequestId, keys: &[Key], ok: bool) {
         let mut ready = Vec::new();
+        let mut discarded = Vec::new();
         for k in keys {
             match self.blocks.get_mut(k) {
                 Some(b) if b.state == State::Pending => {
@@ -949,11 +955,14 @@ impl RefModel {
                         });
                     } else {
                         self.release(k);
+                        discarded.push(k.clone());
                     }
                 }
                 _ => {}
             }
         }
+        // A failed store is vLLM's metadata-only removal.
+        self.emit(Medium::Primary, EventKind::Discarded, discarded);
         self.emit(
             Medium::Primary,
             EventKind::Stored,
@@ -1089,9 +1098,17 @@ impl RefModel {
         self.collected = false;
     }
 
-    /// The events since the last call.
+    /// The events since the last call; a `Discarded` event keeps the keys still absent, and
+    /// none is given empty.
     pub fn take_events(&mut self) -> Vec<Event> {
-        std::mem::take(&mut self.events)
+        let mut events = std::mem::take(&mut self.events);
+        events.retain_mut(|e| {
+            if e.kind == EventKind::Discarded {
+                e.keys.retain(|k| !self.blocks.contains_key(k));
+            }
+            !e.keys.is_empty()
+        });
+        events
     }
 
     /// Every effect since the last call, in order.
@@ -1188,6 +1205,8 @@ impl RefModel {
         }
         for batch in std::mem::take(&mut self.batches) {
             for (_, blocks) in batch.requests {
+                let keys = blocks.iter().map(|b| b.key.clone()).collect();
+                self.emit(Medium::Primary, EventKind::Discarded, keys);
                 for b in &blocks {
                     self.release(&b.key);
                     if let Some(Entry::Present(r)) =
@@ -1243,6 +1262,7 @@ impl RefModel {
             }
             JobKind::Load { blocks, .. } => {
                 let mut stored = Vec::new();
+                let mut discarded = Vec::new();
                 let mut deletes = Vec::new();
                 for b in blocks.iter() {
                     if ok(&b.key) {
@@ -1250,9 +1270,13 @@ impl RefModel {
                         stored.push(b.key.clone());
                     } else {
                         self.release(&b.key);
+                        discarded.push(b.key.clone());
                     }
                 }
+                // vLLM completes a promotion's good blocks as one store, then the rest as a
+                // failed one.
                 self.emit(Medium::Primary, EventKind::Stored, stored);
+                self.emit(Medium::Primary, EventKind::Discarded, discarded);
                 for b in blocks.iter() {
                     let good = ok(&b.key);
                     let tier = &mut self.tiers[t];

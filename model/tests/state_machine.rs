@@ -55,7 +55,7 @@ impl StateMachineTest for CoreAgainstModel {
 
 prop_state_machine! {
     #![proptest_config(Config {
-        cases: 1000,
+        cases: 10_000,
         max_shrink_iters: 10_000,
         // Relative to the package (cargo runs tests there): model/proptest-regressions/.
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
