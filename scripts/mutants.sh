@@ -23,6 +23,12 @@ differential() {
 corpus() {
   cargo test --release -p kvtier-model --test corpus
 }
+walk() {
+  cargo test --release -p kvtier-core --test random_walk
+}
+oracle() { # vLLM 0.33's own manager (needs scripts/vllm-oracle-setup.sh's install)
+  PROPTEST_CASES=3000 cargo test --release -p kvtier-model --test reference_vs_vllm
+}
 
 missed=0
 caught=0
@@ -35,6 +41,8 @@ while IFS='|' read -r mutant checker expect; do
     stateright:*) stateright "${checker#stateright:}" >"$log" 2>&1 ;;
     differential) differential >"$log" 2>&1 ;;
     corpus) corpus >"$log" 2>&1 ;;
+    oracle) oracle >"$log" 2>&1 ;;
+    walk) walk >"$log" 2>&1 ;;
   esac
   status=$?
   if [ $status -ne 0 ] && grep -q -- "$expect" "$log"; then
@@ -58,6 +66,8 @@ evict_pinned|differential|after op
 no_cooldown|differential|after op
 no_step_gate|differential|after op
 no_step_gate|corpus|after op
+arc_no_fallback|oracle|prepare_store: core
+arc_no_fallback|walk|evictable
 TABLE
 unset KVTIER_MUTANT
 touch core/src/lib.rs

@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use kvtier_core::{
-    Config, Effect, HealthConfig, Job, JobKind, JobResult, Manager, Outcome, PolicyKind, RequestId,
-    ReuseFilter, TierConfig, TierKind,
+    BlockState, Config, Effect, Error, HealthConfig, Job, JobKind, JobResult, Manager, Outcome,
+    PolicyKind, RequestId, ReuseFilter, SlotId, TierConfig, TierKind,
 };
 
 /// xorshift64*: deterministic, seeded, no dependency.
@@ -51,6 +51,27 @@ fn config(seed: u64) -> Config {
     c
 }
 
+/// Blocks that are Ready, unpinned and not among `offered`.
+fn evictable_besides(m: &Manager, offered: &[kvtier_core::Key]) -> usize {
+    let p = m.primary();
+    (0..p.num_blocks())
+        .filter_map(|s| p.key_at(SlotId(s)))
+        .filter(|k| !offered.contains(k))
+        .filter(|k| {
+            matches!(
+                p.state_of(k),
+                Some((
+                    _,
+                    BlockState::Ready {
+                        load_pins: 0,
+                        job_pins: 0
+                    }
+                ))
+            )
+        })
+        .count()
+}
+
 fn walk(seed: u64, ops: usize) -> Manager {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut m = Manager::new(config(seed)).unwrap();
@@ -59,15 +80,27 @@ fn walk(seed: u64, ops: usize) -> Manager {
     for _ in 0..ops {
         let k = |rng: &mut Rng| key(rng.below(8) as u32);
         let req = RequestId(rng.below(3));
-        match rng.below(12) {
+        match rng.below(14) {
             0 | 1 => {
                 m.lookup(req, &k(&mut rng));
             }
             2 => {
                 let ks = vec![k(&mut rng), k(&mut rng)];
-                if let Ok(p) = m.prepare_store(R1, &ks) {
-                    let ok = rng.below(4) != 0;
-                    m.complete_store(req, &p.keys, ok);
+                match m.prepare_store(req, &ks) {
+                    Ok(p) => {
+                        let ok = rng.below(4) != 0;
+                        m.complete_store(req, &p.keys, ok);
+                    }
+                    Err(Error::NoRoom { needed, .. }) => {
+                        // P7, A6: refused only when even evicting every evictable block
+                        // would not make room, whatever the policy.
+                        let evictable = evictable_besides(&m, &ks);
+                        assert!(
+                            evictable < needed,
+                            "seed {seed}: {needed} refused, {evictable} evictable"
+                        );
+                    }
+                    Err(e) => panic!("seed {seed}: {e}"),
                 }
             }
             3 => {
@@ -83,6 +116,11 @@ fn walk(seed: u64, ops: usize) -> Manager {
                 }
             }
             5 => m.touch(&[k(&mut rng), k(&mut rng)]),
+            11 => {
+                let key = k(&mut rng);
+                m.set_position(req, &key, 16 * (1 + rng.below(4)));
+            }
+            12 => m.request_finished(req),
             6 | 7 => m.end_step(),
             8..=10 => {
                 if !submitted.is_empty() {

@@ -5,7 +5,8 @@
 use std::fmt;
 
 use kvtier_core::{
-    Config, Effect, Error, Event, Job, JobId, JobKind, JobResult, Key, Manager, Outcome, TierId,
+    BlockState, Config, Effect, Error, Event, Job, JobId, JobKind, JobResult, Key, Manager,
+    Outcome, PreparedStore, SlotId, TierId,
 };
 
 use crate::op::{Finish, Invalid, Op, key, keys, request};
@@ -113,6 +114,42 @@ impl Harness {
         }
     }
 
+    /// A store that fits after evicting every evictable block must succeed, whatever the
+    /// policy (rule A6's fallback; P6, P7): after a refusal, fewer blocks than needed are
+    /// Ready, unpinned and not offered.
+    fn refusal_is_forced(
+        core: &Manager,
+        offered: &[Key],
+        answer: &Result<PreparedStore, Error>,
+    ) -> Result<(), String> {
+        let Err(Error::NoRoom { needed, .. }) = answer else {
+            return Ok(());
+        };
+        let p = core.primary();
+        let evictable = (0..p.num_blocks())
+            .filter_map(|s| p.key_at(SlotId(s)))
+            .filter(|k| !offered.contains(k))
+            .filter(|k| {
+                matches!(
+                    p.state_of(k),
+                    Some((
+                        _,
+                        BlockState::Ready {
+                            load_pins: 0,
+                            job_pins: 0
+                        }
+                    ))
+                )
+            })
+            .count();
+        if evictable >= *needed {
+            return Err(format!(
+                "prepare_store refused {needed} blocks with {evictable} evictable"
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks that a refused call left the core unchanged.
     fn unchanged(before: &str, core: &Manager, what: &str) -> Result<(), String> {
         if before == format!("{core:?}") {
@@ -131,11 +168,12 @@ impl Harness {
             }
             Op::PrepareStore { keys: ks } => {
                 let ks = keys(ks);
-                let _answer = compare(
+                let answer = compare(
                     "prepare_store",
                     core.prepare_store(request(0), &ks),
                     model.prepare_store(request(0), &ks),
                 )?;
+                Self::refusal_is_forced(core, &ks, &answer)?;
             }
             Op::CompleteStore { req, keys: ks, ok } => {
                 let ks = keys(ks);
@@ -149,6 +187,7 @@ impl Harness {
                     core.prepare_store(request(*req), &ks),
                     model.prepare_store(request(*req), &ks),
                 )?;
+                Self::refusal_is_forced(core, &ks, &prepared)?;
                 if let Ok(p) = prepared {
                     core.complete_store(request(*req), &p.keys, *ok);
                     model.complete_store(request(*req), &p.keys, *ok);

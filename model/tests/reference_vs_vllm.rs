@@ -1,13 +1,15 @@
-//! The reference model against vLLM 0.33.0's own `CPUOffloadingManager`: random call sequences
-//! (the primary alone, LRU and ARC, 1–8 blocks, a dozen keys in three KV-cache groups, up to
-//! three live requests with positions for most of their keys, requests finishing and new ones
-//! starting, stores that succeed or fail, loads and their completions, touches, the reuse
-//! filter on or off) go to [`RefModel`] and, through the oracle, to vLLM. Every answer is
-//! compared: lookups, `prepare_store`'s keys, slots and victims (vLLM's `None` is kvtier's
-//! `Err(NoRoom)`), `prepare_load`'s slots, the events (vLLM's `metadata_only` removals of a
-//! failed store are not public evictions: kvtier has no event for them), the skipped stores,
-//! and after every call the whole primary: slots handed out, the free stack, every block's
-//! slot and state, and the policy's order (LRU: the blocks by rank; ARC: T1, T2, B1, B2, p).
+//! `kvtier-core` and the reference model against vLLM 0.33.0's own `CPUOffloadingManager`:
+//! random call sequences (the primary alone, LRU and ARC, 1–8 blocks, a dozen keys in three
+//! KV-cache groups, up to three live requests with positions for most of their keys, requests
+//! finishing and new ones starting, stores that succeed or fail, loads and their completions,
+//! touches, the reuse filter on or off) go to the core's [`Manager`], to [`RefModel`] and,
+//! through the oracle, to vLLM. Every answer of both is compared with vLLM's: lookups,
+//! `prepare_store`'s keys, slots and victims (vLLM's `None` is kvtier's `Err(NoRoom)`),
+//! `prepare_load`'s slots, the events (vLLM's `metadata_only` removal is kvtier's `Discarded`),
+//! and after every call the stats (usage, write and read usage, allocation sizes, skipped
+//! stores: the core's `take_metrics` against vLLM's `get_stats`) and the reference's whole
+//! primary: slots handed out, the free stack, every block's slot and state, and the policy's
+//! order (LRU: the blocks by rank; ARC: T1, T2, B1, B2, p).
 //!
 //! Only calls that are valid in vLLM are generated: loads of Ready blocks, load completions
 //! of pinned blocks, no key twice in one call, nothing for a finished request but the
@@ -21,7 +23,8 @@ use std::cell::RefCell;
 use std::io::Write;
 
 use kvtier_core::{
-    Config, Error, Event, EventKind, Key, Lookup, Medium, PolicyKind, RequestId, ReuseFilter,
+    Config, Error, Event, EventKind, Key, Lookup, Manager, Medium, PolicyKind, PreparedStore,
+    RequestId, ReuseFilter,
 };
 use kvtier_model::oracle::{
     self, CpuConfig, LookupResult, OracleError, Policy, PolicyState, VllmOracle,
@@ -31,7 +34,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestError, TestRunner};
 
 /// Cases run when `PROPTEST_CASES` is not set.
-const DEFAULT_CASES: u32 = 3000;
+const DEFAULT_CASES: u32 = 10_000;
 /// Keys of the alphabet.
 const KEYS: u8 = 12;
 /// Most live requests at once.
@@ -195,6 +198,8 @@ struct Run<'a> {
     seen: &'a mut Coverage,
     o: &'a mut VllmOracle,
     m: RefModel,
+    /// The core, driven with the same calls.
+    c: Manager,
     next_req: u64,
     live: Vec<RequestId>,
     /// Prepared stores not yet completed in full: (request, keys).
@@ -224,6 +229,7 @@ impl Run<'_> {
         self.next_req += 1;
         self.live.push(req);
         self.m.new_request(req);
+        self.c.new_request(req);
         self.o.new_request(&name(req)).map_err(oracle_err)?;
         let mut set = Vec::new();
         for (i, pos) in positions.iter().enumerate() {
@@ -231,6 +237,7 @@ impl Run<'_> {
                 let k = core_key(i as u8);
                 let end = 16 * u64::from(*p);
                 self.m.set_position(req, &k, end);
+                self.c.set_position(req, &k, end);
                 set.push((oracle_key(&k), end));
             }
         }
@@ -248,6 +255,7 @@ impl Run<'_> {
                 let k = core_key(*key);
                 let end = 16 * u64::from(*pos);
                 self.m.set_position(req, &k, end);
+                self.c.set_position(req, &k, end);
                 self.o
                     .set_positions(&name(req), &[(oracle_key(&k), end)])
                     .map_err(oracle_err)?;
@@ -259,6 +267,7 @@ impl Run<'_> {
                 self.live.retain(|r| *r != req);
                 let before = self.m.primary_view();
                 self.m.request_finished(req);
+                self.c.request_finished(req);
                 if before != self.m.primary_view() {
                     self.seen.finished_with_keys += 1;
                 }
@@ -270,6 +279,7 @@ impl Run<'_> {
                 };
                 let k = core_key(*key);
                 let model = self.m.lookup(req, &k);
+                let core = self.c.lookup(req, &k);
                 let vllm = self
                     .o
                     .lookup(&name(req), &oracle_key(&k))
@@ -283,6 +293,9 @@ impl Run<'_> {
                 if model != expected {
                     return Err(format!("lookup: model {model:?}, vLLM {vllm:?}"));
                 }
+                if core != expected {
+                    return Err(format!("lookup: core {core:?}, vLLM {vllm:?}"));
+                }
                 self.seen.lookups[vllm as usize] += 1;
             }
             Action::Store { req, keys } => {
@@ -293,6 +306,7 @@ impl Run<'_> {
                 let okeys: Vec<oracle::Key> = keys.iter().map(oracle_key).collect();
                 let before = self.m.primary_view();
                 let model = self.m.prepare_store(req, &keys);
+                let core = self.c.prepare_store(req, &keys);
                 if arc_p(&before) != arc_p(&self.m.primary_view()) {
                     self.seen.ghost_hits += 1;
                 }
@@ -301,6 +315,7 @@ impl Run<'_> {
                     .prepare_store(&name(req), &okeys)
                     .map_err(oracle_err)?;
                 self.seen.stores += 1;
+                same_store("core", &core, &vllm)?;
                 match (&model, &vllm) {
                     (Err(Error::NoRoom { .. }), None) => self.seen.refused += 1,
                     (Ok(p), Some(v)) => {
@@ -321,27 +336,6 @@ impl Run<'_> {
                     }
                     _ => return Err(format!("prepare_store: model {model:?}, vLLM {vllm:?}")),
                 }
-                if self.reuse {
-                    let stats = self.o.get_stats().map_err(oracle_err)?;
-                    let counted = stats
-                        .as_ref()
-                        .and_then(|s| s.get("vllm:kv_offload_stores_skipped", &[]))
-                        .ok_or("vLLM reports no skipped-store counter")?;
-                    match counted {
-                        oracle::MetricValue::Number(n) => {
-                            self.skipped += *n as u64;
-                            self.seen.skipped += *n as u64;
-                        }
-                        other => return Err(format!("skipped-store counter {other:?}")),
-                    }
-                    if self.m.stores_skipped() != self.skipped {
-                        return Err(format!(
-                            "stores skipped: model {}, vLLM {}",
-                            self.m.stores_skipped(),
-                            self.skipped
-                        ));
-                    }
-                }
             }
             Action::CompleteStore { pick, mask, ok } => {
                 if self.stores.is_empty() {
@@ -360,6 +354,7 @@ impl Run<'_> {
                     self.stores[i].1 = rest;
                 }
                 self.m.complete_store(req, &done, *ok);
+                self.c.complete_store(req, &done, *ok);
                 let okeys: Vec<oracle::Key> = done.iter().map(oracle_key).collect();
                 self.o
                     .complete_store(&name(req), &okeys, *ok)
@@ -371,6 +366,7 @@ impl Run<'_> {
                 };
                 let keys = distinct(keys);
                 self.m.complete_store(req, &keys, *ok);
+                self.c.complete_store(req, &keys, *ok);
                 let okeys: Vec<oracle::Key> = keys.iter().map(oracle_key).collect();
                 self.o
                     .complete_store(&name(req), &okeys, *ok)
@@ -392,6 +388,10 @@ impl Run<'_> {
                     .m
                     .prepare_load(req, &keys)
                     .map_err(|e| format!("prepare_load of Ready blocks refused: {e}"))?;
+                let core = self
+                    .c
+                    .prepare_load(req, &keys)
+                    .map_err(|e| format!("core: prepare_load of Ready blocks refused: {e}"))?;
                 let okeys: Vec<oracle::Key> = keys.iter().map(oracle_key).collect();
                 let vllm = self
                     .o
@@ -400,6 +400,10 @@ impl Run<'_> {
                 let slots: Vec<i64> = model.iter().map(|s| i64::from(s.0)).collect();
                 if slots != vllm {
                     return Err(format!("prepare_load: model {slots:?}, vLLM {vllm:?}"));
+                }
+                let slots: Vec<i64> = core.iter().map(|s| i64::from(s.0)).collect();
+                if slots != vllm {
+                    return Err(format!("prepare_load: core {slots:?}, vLLM {vllm:?}"));
                 }
                 self.loads.push((req, keys));
                 self.seen.loads += 1;
@@ -423,6 +427,9 @@ impl Run<'_> {
                 self.m
                     .complete_load(&done)
                     .map_err(|e| format!("complete_load of pinned blocks refused: {e}"))?;
+                self.c
+                    .complete_load(&done)
+                    .map_err(|e| format!("core: complete_load of pinned blocks refused: {e}"))?;
                 let okeys: Vec<oracle::Key> = done.iter().map(oracle_key).collect();
                 self.o
                     .complete_load(&name(req), &okeys)
@@ -435,6 +442,7 @@ impl Run<'_> {
                 let keys = distinct(keys);
                 let p = arc_p(&self.m.primary_view());
                 self.m.touch(&keys);
+                self.c.touch(&keys);
                 if p != arc_p(&self.m.primary_view()) {
                     self.seen.ghost_hits += 1;
                 }
@@ -443,6 +451,7 @@ impl Run<'_> {
             }
             Action::EndStep => {
                 self.m.end_step();
+                self.c.end_step();
                 self.o.schedule_end(&[], &[]).map_err(oracle_err)?;
             }
         }
@@ -451,28 +460,30 @@ impl Run<'_> {
 
     /// The events and the whole primary must agree.
     fn compare_state(&mut self) -> Result<(), String> {
-        let model: Vec<(bool, Vec<Key>)> = self
-            .m
-            .take_events()
-            .into_iter()
-            .map(|Event { medium, kind, keys }| {
-                assert_eq!(medium, Medium::Primary, "the primary alone");
-                (kind == EventKind::Removed, keys)
-            })
-            .collect();
-        let vllm: Vec<(bool, Vec<Key>)> = self
+        let vllm: Vec<Shape> = self
             .o
             .take_events()
             .map_err(oracle_err)?
             .into_iter()
-            .filter(|e| !e.metadata_only)
-            .map(|e| (e.removed, e.keys.iter().map(core_of).collect()))
+            .map(|e| {
+                let kind = match (e.removed, e.metadata_only) {
+                    (false, _) => EventKind::Stored,
+                    (true, false) => EventKind::Removed,
+                    (true, true) => EventKind::Discarded,
+                };
+                (kind, e.keys.iter().map(core_of).collect())
+            })
             .collect();
-        if model != vllm {
-            return Err(format!(
-                "events (removed, keys): model {model:?}, vLLM {vllm:?}"
-            ));
+        for (who, events) in [
+            ("model", self.m.take_events()),
+            ("core", self.c.take_events()),
+        ] {
+            let events = shapes(events);
+            if events != vllm {
+                return Err(format!("events: {who} {events:?}, vLLM {vllm:?}"));
+            }
         }
+        self.compare_stats()?;
         let state = self.o.inspect().map_err(oracle_err)?;
         let view: PrimaryView = self.m.primary_view();
         let free: Vec<i64> = view.free.iter().map(|s| i64::from(s.0)).collect();
@@ -556,6 +567,109 @@ impl Run<'_> {
     }
 }
 
+/// An event as (kind, keys): the primary alone.
+type Shape = (EventKind, Vec<Key>);
+
+fn shapes(events: Vec<Event>) -> Vec<Shape> {
+    events
+        .into_iter()
+        .map(|Event { medium, kind, keys }| {
+            assert_eq!(medium, Medium::Primary, "the primary alone");
+            (kind, keys)
+        })
+        .collect()
+}
+
+/// `prepare_store`'s answer against vLLM's (`None` is `Err(NoRoom)`).
+fn same_store(
+    who: &str,
+    ours: &Result<PreparedStore, Error>,
+    vllm: &Option<oracle::PreparedStore>,
+) -> Result<(), String> {
+    let same = match (ours, vllm) {
+        (Err(Error::NoRoom { .. }), None) => true,
+        (Ok(p), Some(v)) => {
+            let slots: Vec<i64> = p.slots.iter().map(|s| i64::from(s.0)).collect();
+            let v_keys: Vec<Key> = v.keys_to_store.iter().map(core_of).collect();
+            let v_evicted: Vec<Key> = v.evicted_keys.iter().map(core_of).collect();
+            (&p.keys, &slots, &p.evicted) == (&v_keys, &v.block_ids, &v_evicted)
+        }
+        _ => false,
+    };
+    if same {
+        Ok(())
+    } else {
+        Err(format!("prepare_store: {who} {ours:?}, vLLM {vllm:?}"))
+    }
+}
+
+impl Run<'_> {
+    /// vLLM's `get_stats` against the core's metrics and the model's skipped stores: the
+    /// gauges exactly (the same division of the same counts), the allocation sizes since the
+    /// last call, the skipped stores.
+    fn compare_stats(&mut self) -> Result<(), String> {
+        let stats = self
+            .o
+            .get_stats()
+            .map_err(oracle_err)?
+            .ok_or("vLLM's CPU manager always reports stats")?;
+        let number = |name: &str| match stats.get(name, &[]) {
+            Some(oracle::MetricValue::Number(n)) => Ok(*n),
+            other => Err(format!("{name}: {other:?}")),
+        };
+        let ours = self.c.take_metrics();
+        let gauges = (ours.usage(), ours.write_usage(), ours.read_usage());
+        let theirs = (
+            number("vllm:kv_offload_cpu_cache_usage_perc")?,
+            number("vllm:kv_offload_cpu_cache_write_usage_perc")?,
+            number("vllm:kv_offload_cpu_cache_read_usage_perc")?,
+        );
+        if gauges != theirs {
+            return Err(format!(
+                "usage (total, write, read): core {gauges:?}, vLLM {theirs:?}"
+            ));
+        }
+        let sizes: Vec<f64> = ours
+            .allocation_sizes
+            .iter()
+            .map(|&n| f64::from(n))
+            .collect();
+        let v_sizes = match stats.get("vllm:kv_offload_cpu_allocation_size", &[]) {
+            None => Vec::new(),
+            Some(oracle::MetricValue::Samples(v)) => v.clone(),
+            Some(other) => return Err(format!("allocation sizes: {other:?}")),
+        };
+        if sizes != v_sizes {
+            return Err(format!(
+                "allocation sizes: core {sizes:?}, vLLM {v_sizes:?}"
+            ));
+        }
+        if self.reuse {
+            let n = number("vllm:kv_offload_stores_skipped")? as u64;
+            self.skipped += n;
+            self.seen.skipped += n;
+            if ours.stores_skipped != Some(n) {
+                return Err(format!(
+                    "stores skipped since the last call: core {:?}, vLLM {n}",
+                    ours.stores_skipped
+                ));
+            }
+            if self.m.stores_skipped() != self.skipped {
+                return Err(format!(
+                    "stores skipped: model {}, vLLM {}",
+                    self.m.stores_skipped(),
+                    self.skipped
+                ));
+            }
+        } else if stats.get("vllm:kv_offload_stores_skipped", &[]).is_some()
+            || ours.stores_skipped.is_some()
+        {
+            return Err("a skipped-store counter without a reuse filter".into());
+        }
+        Ok(())
+    }
+}
+
 /// ARC's `p` (none under LRU).
 fn arc_p(view: &PrimaryView) -> Option<f64> {
     match view.policy {
@@ -608,6 +722,7 @@ fn run_case(
     let mut run = Run {
         seen,
         o,
+        c: Manager::new(config.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?,
         m: RefModel::new(config),
         next_req: 0,
         live: Vec::new(),
@@ -628,7 +743,7 @@ fn run_case(
 }
 
 #[test]
-fn the_reference_model_answers_as_vllm_does() {
+fn the_core_and_the_reference_model_answer_as_vllm_does() {
     let Some(o) = spawn_oracle() else { return };
     let o = RefCell::new(o);
     let seen = RefCell::new(Coverage::default());
@@ -660,7 +775,7 @@ fn the_reference_model_answers_as_vllm_does() {
         Ok(()) => {
             let _ = writeln!(
                 std::io::stderr(),
-                "{cases} cases agreed with vLLM in {:.1} s; {:?}",
+                "{cases} cases: the core and the model agreed with vLLM in {:.1} s; {:?}",
                 started.elapsed().as_secs_f64(),
                 seen.borrow()
             );
