@@ -68,6 +68,17 @@ const SEEN: u8 = 1;
 const INSERTED: u8 = 2;
 const REUSED: u8 = 4;
 const MISSED: u8 = 8;
+/// Set while a call collects its keys to store, to take each once.
+const QUEUED: u8 = 16;
+
+/// The keys one store (or promotion) will allocate, with their entries in the request's
+/// record, and the slots it must not evict.
+#[derive(Debug, Default)]
+struct Offer {
+    keys: Vec<Key>,
+    entries: Vec<u32>,
+    protected: Vec<u32>,
+}
 
 /// What one live request accessed (rules R1–R7), until it finishes.
 #[derive(Clone, Debug, Default)]
@@ -109,30 +120,41 @@ impl Access {
 
     /// R6: the seen keys, head to tail.
     fn order(&self) -> Vec<u32> {
-        let group = |i: &u32| {
-            let k = self.keys[*i as usize].key.as_bytes();
+        let group = |i: u32| {
+            let k = self.keys[i as usize].key.as_bytes();
             match k.len().checked_sub(4) {
                 Some(at) => u32::from_be_bytes(k[at..].try_into().expect("4 bytes")),
                 None => 0,
             }
         };
-        let pos = |i: &u32| self.keys[*i as usize].position;
+        let pos = |i: u32| self.keys[i as usize].position;
         let mut order = self.seen.clone();
-        // Groups ascending, first-seen order within a group (the sort is stable)...
-        order.sort_by_key(group);
-        // ...a group by position when each of its keys has one...
+        if order.iter().all(|&i| pos(i).is_some()) {
+            // Every key has a position: by position, ties by group, then first seen (the
+            // result of the group-wise sorts below followed by a stable sort by position).
+            let mut keyed: Vec<(u64, u32, usize, u32)> = order
+                .iter()
+                .enumerate()
+                .map(|(n, &i)| (pos(i).expect("checked"), group(i), n, i))
+                .collect();
+            keyed.sort_unstable();
+            return keyed.into_iter().map(|(.., i)| i).collect();
+        }
+        // Groups ascending, first-seen order within a group (the sort is stable), and a group
+        // by position when each of its keys has one.
+        order.sort_by_key(|&i| group(i));
         let mut start = 0;
         while start < order.len() {
-            let g = group(&order[start]);
-            let end = start + order[start..].iter().take_while(|i| group(i) == g).count();
-            if order[start..end].iter().all(|i| pos(i).is_some()) {
-                order[start..end].sort_by_key(pos);
+            let g = group(order[start]);
+            let end = start
+                + order[start..]
+                    .iter()
+                    .take_while(|&&i| group(i) == g)
+                    .count();
+            if order[start..end].iter().all(|&i| pos(i).is_some()) {
+                order[start..end].sort_by_key(|&i| pos(i));
             }
             start = end;
-        }
-        // ...and all of them by position when every key has one.
-        if order.iter().all(|i| pos(i).is_some()) {
-            order.sort_by_key(pos);
         }
         order
     }
@@ -463,40 +485,19 @@ impl Primary {
         if let Some(r) = &mut self.reuse {
             r.record_offer(keys); // P17
         }
-        let mut to_store = Vec::new();
-        let mut protected = Vec::new();
-        // R3: the offered keys that are Ready (reuses) or to be stored, in offer order.
-        let mut recorded = Vec::with_capacity(keys.len());
-        for key in keys {
-            if let Some(s) = self.find(key) {
-                protected.push(s);
-                if self.slots[s as usize].state == SlotState::Ready {
-                    recorded.push((key, true));
-                }
-            } else if self.reuse.as_ref().is_some_and(|r| !r.reused(key)) {
-                self.stores_skipped += 1; // P17: not offered often enough
-                self.window.stores_skipped += 1;
-            } else {
-                to_store.push(key.clone());
-                recorded.push((key, false));
-            }
-        }
-        dedup_in_order(&mut to_store);
-        self.store_misses(req, &to_store);
-        self.record(req, recorded.iter().map(|(k, ready)| (*k, *ready)));
-        if to_store.is_empty() {
+        let offer = self.begin_store(req, keys, true);
+        if offer.keys.is_empty() {
             return Ok(PreparedStore::default()); // P4
         }
-        self.observe_allocation(to_store.len());
-        protected.sort_unstable();
-        let (slots, evicted) = self.admit(req, &to_store, &protected, SlotState::Pending)?;
+        self.observe_allocation(offer.keys.len());
+        let (slots, evicted) = self.admit(req, &offer, SlotState::Pending)?;
         tracing::debug!(
-            stored = to_store.len(),
+            stored = offer.keys.len(),
             evicted = evicted.len(),
             "primary prepare_store"
         );
         Ok(PreparedStore {
-            keys: to_store,
+            keys: offer.keys,
             slots,
             evicted,
         })
@@ -510,38 +511,99 @@ impl Primary {
         key: &Key,
         protected: &[u32],
     ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
-        let keys = core::slice::from_ref(key);
-        self.store_misses(req, keys);
-        self.record(req, keys.iter().map(|k| (k, false)));
+        let mut offer = self.begin_store(req, core::slice::from_ref(key), false);
+        offer.protected = protected.to_vec();
         self.observe_allocation(1);
-        self.admit(req, keys, protected, SlotState::Promoting)
+        self.admit(req, &offer, SlotState::Promoting)
     }
 
-    /// R5: the keys `req` has not yet missed go to the policy, last to first.
-    pub(crate) fn store_misses(&mut self, req: RequestId, keys: &[Key]) {
+    /// The common part of a store and a promotion, in one pass over the offer: P17's filter
+    /// (when `filter`), the keys to store (absent, each once, in offer order), R3–R4 (the
+    /// Ready and to-be-stored keys recorded in offer order, Ready ones as reuses), R5 (store
+    /// misses to the policy, last to first) and L4 (the request's run, newly seen resident
+    /// keys ranked).
+    fn begin_store(&mut self, req: RequestId, keys: &[Key], filter: bool) -> Offer {
         let access = self.requests.entry(req).or_default();
-        let mut missed = Vec::new();
+        let first_seen = access.seen.len();
+        let mut offer = Offer::default();
+        // Newly seen Ready keys with a position: (slot, position) for L4.
+        let mut ranked = Vec::new();
         for key in keys {
-            let e = access.entry(key);
-            if e.flags & MISSED == 0 {
-                e.flags |= MISSED;
-                missed.push(key);
+            let slots = &self.slots;
+            let found = self
+                .index
+                .find(hash(key), |s| slots[s as usize].key.as_ref() == Some(key));
+            let ready = match found {
+                Some(s) => {
+                    offer.protected.push(s);
+                    if self.slots[s as usize].state != SlotState::Ready {
+                        continue; // Pending or Promoting: not recorded
+                    }
+                    true
+                }
+                None if filter && self.reuse.as_ref().is_some_and(|r| !r.reused(key)) => {
+                    self.stores_skipped += 1; // P17: not offered often enough
+                    self.window.stores_skipped += 1;
+                    continue;
+                }
+                None => false,
+            };
+            let i = access.entry_index(key);
+            let e = &mut access.keys[i as usize];
+            if e.flags & SEEN == 0 {
+                e.flags |= SEEN;
+                access.seen.push(i);
+                if let (Some(s), Some(position)) = (found, e.position) {
+                    ranked.push((s, position));
+                }
+            }
+            if ready {
+                if e.flags & INSERTED == 0 {
+                    e.flags |= REUSED;
+                }
+            } else if e.flags & QUEUED == 0 {
+                e.flags |= QUEUED; // each key once (P5)
+                offer.keys.push(key.clone());
+                offer.entries.push(i);
             }
         }
-        for key in missed.into_iter().rev() {
-            self.policy.store_miss(key);
+        let mut missed = Vec::new();
+        for &i in &offer.entries {
+            let e = &mut access.keys[i as usize];
+            e.flags &= !QUEUED;
+            if e.flags & MISSED == 0 {
+                e.flags |= MISSED;
+                missed.push(i);
+            }
         }
+        for &i in missed.iter().rev() {
+            self.policy.store_miss(&access.keys[i as usize].key); // R5, A7
+        }
+        if access.seen.len() > first_seen && access.run.is_none() {
+            access.run = self.policy.open_run(); // L4: the request's rank
+        }
+        if let Some(run) = access.run {
+            let slots = &self.slots;
+            let key_of = |id: u32| slots[id as usize].key.clone().expect("resident");
+            for (s, position) in ranked {
+                self.policy.access(s, run, position, &key_of); // L4
+            }
+        }
+        offer.protected.sort_unstable();
+        offer
     }
 
-    /// Makes room for `keys` (all absent, distinct) without evicting a slot in `protected`
-    /// (sorted), then inserts them in `state`. All or nothing.
-    pub(crate) fn admit(
+    /// Makes room for `offer.keys` (all absent, distinct) without evicting a slot in
+    /// `offer.protected` (sorted), then inserts them in `state` as `req`'s (L1). All or
+    /// nothing.
+    fn admit(
         &mut self,
         req: RequestId,
-        keys: &[Key],
-        protected: &[u32],
+        offer: &Offer,
         state: SlotState,
     ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
+        let keys = &offer.keys;
+        let protected = &offer.protected;
         let needed = keys.len().saturating_sub(self.free_slots());
         let mut victims = Vec::new();
         if needed > 0 {
@@ -580,14 +642,17 @@ impl Primary {
             }
         }
         let slots: Vec<SlotId> = keys.iter().map(|_| SlotId(self.allocate())).collect();
-        let access = self.requests.entry(req).or_default();
-        for (key, &SlotId(s)) in keys.iter().zip(&slots) {
+        let access = self
+            .requests
+            .get_mut(&req)
+            .expect("begin_store made the record");
+        for ((key, &i), &SlotId(s)) in keys.iter().zip(&offer.entries).zip(&slots) {
             let slot = &mut self.slots[s as usize];
             slot.key = Some(key.clone());
             slot.state = state;
             self.index.insert(hash(key), s);
             // L1: ranked in the request's run when the request gave the key a position.
-            let e = access.entry(key);
+            let e = &mut access.keys[i as usize];
             e.flags |= INSERTED;
             match e.position {
                 Some(position) => {
@@ -970,48 +1035,6 @@ impl Primary {
         );
         Ok(())
     }
-}
-
-/// Removes repeated keys, keeping each first occurrence in place.
-fn dedup_in_order(keys: &mut Vec<Key>) {
-    const PAIRWISE: usize = 32;
-    if keys.len() < 2 {
-        return;
-    }
-    let mut repeated = Vec::new();
-    if keys.len() <= PAIRWISE {
-        // Short lists: compare each key with the earlier ones (hash first, inline).
-        for i in 1..keys.len() {
-            if keys[..i].contains(&keys[i]) {
-                repeated.push(i);
-            }
-        }
-    } else {
-        let mut order: Vec<(u64, usize)> = keys.iter().map(hash).zip(0..).collect();
-        order.sort_unstable();
-        // Within a run of equal hashes (sorted by index), a key repeats an earlier one if
-        // their bytes are equal; distinct keys with equal hashes are compared pairwise.
-        for run in order.chunk_by(|a, b| a.0 == b.0) {
-            for (n, later) in run.iter().enumerate().skip(1) {
-                if run[..n]
-                    .iter()
-                    .any(|earlier| keys[earlier.1] == keys[later.1])
-                {
-                    repeated.push(later.1);
-                }
-            }
-        }
-        repeated.sort_unstable();
-    }
-    if repeated.is_empty() {
-        return;
-    }
-    let mut i = 0;
-    keys.retain(|_| {
-        let keep = repeated.binary_search(&i).is_err();
-        i += 1;
-        keep
-    });
 }
 
 /// The reuse filter's bounded counter: least recently seen keys are forgotten first.
