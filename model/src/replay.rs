@@ -947,12 +947,20 @@ impl<'a> Pair<'a> {
         if core == vllm {
             return Ok(());
         }
+        // ★8 explains it when vLLM evicted a block the request was answered Hit for in this
+        // step and the core did not.
         let hits: HashSet<u64> = self.step_hits.iter().copied().collect();
-        let vllm_evicted_hit = vllm
-            .iter()
-            .filter(|(removed, _)| *removed)
-            .flat_map(|(_, keys)| keys)
-            .find(|k| hits.contains(k));
+        let removed = |events: &[PrimaryEvent]| -> HashSet<u64> {
+            events
+                .iter()
+                .filter(|(removed, _)| *removed)
+                .flat_map(|(_, keys)| keys.iter().copied())
+                .collect()
+        };
+        let core_removed = removed(&core);
+        let vllm_evicted_hit = removed(&vllm)
+            .into_iter()
+            .find(|k| hits.contains(k) && !core_removed.contains(k));
         if let Some(k) = vllm_evicted_hit {
             return Err(ReplayError::Diverged {
                 request: n,
@@ -1143,6 +1151,8 @@ pub struct Report {
     /// Requests after which both managers restarted with empty primaries over their tiers'
     /// blocks, because a named exception left them holding different blocks.
     pub resyncs: u64,
+    /// What each resynchronized exception was.
+    pub diverged: Vec<String>,
 }
 
 /// Replays `trace` through the core and vLLM (in `o`) in lockstep, comparing every answer.
@@ -1159,8 +1169,15 @@ pub fn run_lockstep(mut pair: Pair<'_>, trace: &Trace) -> Result<Report, ReplayE
         let mut t = Totals::default();
         match run_request(&mut pair, n, ids, &mut t) {
             Ok(()) => {}
-            Err(ReplayError::Diverged { rule, .. }) => {
+            Err(ReplayError::Diverged {
+                request,
+                rule,
+                detail,
+            }) => {
                 *pair.exceptions.entry(rule).or_default() += 1;
+                report
+                    .diverged
+                    .push(format!("request {request}: {rule}: {detail}"));
                 report.resyncs += 1;
                 pair.resync(n)?;
                 // The request runs again from its start, on the restarted managers.

@@ -11,8 +11,8 @@ use std::io::Write;
 
 use kvtier_model::oracle::{OracleError, Policy, VllmOracle};
 use kvtier_model::replay::{
-    CoreEngine, OracleEngine, Pair, ReplayError, Setup, Trace, TraceError, core_keys, lockstep,
-    replay_core, run_lockstep,
+    CoreEngine, OracleEngine, Pair, RULE_HIT_PROTECTION, RULE_T7, ReplayError, Setup, Trace,
+    TraceError, core_keys, lockstep, replay_core, run_lockstep,
 };
 
 fn oracle() -> Option<VllmOracle> {
@@ -104,4 +104,67 @@ fn a_bad_trace_line_is_named() {
             other => panic!("{text}: {other:?}"),
         }
     }
+}
+
+fn with_tiers(policy: Policy, num_blocks: u32, tiers: usize, capacity: u32) -> Setup {
+    let mut setup = Setup::primary(policy, num_blocks);
+    setup.tiers = vec![capacity; tiers];
+    setup
+}
+
+/// Two secondary tiers under vLLM's `TieringOffloadingManager` (scripted tiers whose IO the
+/// replay plays) and the core's two authoritative tiers: every answer, job and event equal
+/// on the excerpt at 5 %, deferrals and promotions included.
+#[test]
+fn with_two_tiers_the_core_replays_the_excerpt_as_vllm() {
+    let Some(mut o) = oracle() else { return };
+    let trace = excerpt();
+    for (policy, hits, promoted, deferrals) in
+        [(Policy::Lru, 162, 2564, 57), (Policy::Arc, 247, 2479, 55)]
+    {
+        let setup = with_tiers(policy, 807, 2, 16_156);
+        let report = lockstep(&mut o, &trace, &setup).unwrap_or_else(|e| panic!("{e}"));
+        let t = &report.totals;
+        assert_eq!(
+            (t.hits, t.promoted, t.deferrals),
+            (hits, promoted, deferrals),
+            "{policy:?}"
+        );
+        assert_eq!(t.loaded, hits + promoted, "{policy:?}");
+        assert!(report.exceptions.is_empty(), "{:?}", report.exceptions);
+    }
+}
+
+/// A primary of 32 blocks: a request's promotions need room while its own hits are the
+/// least recent blocks. vLLM evicts them; the core does not (★8). The replay counts each
+/// case by name, restarts both primaries over the tiers' blocks, and finds no other
+/// difference.
+#[test]
+fn a_promotion_evicting_its_own_hits_is_a_named_exception() {
+    let Some(mut o) = oracle() else { return };
+    let trace = excerpt();
+    let report = lockstep(&mut o, &trace, &with_tiers(Policy::Lru, 32, 2, 16_156))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        report.exceptions.get(RULE_HIT_PROTECTION),
+        Some(&2),
+        "{:?}",
+        report.diverged
+    );
+    assert_eq!(report.exceptions.len(), 1, "{:?}", report.exceptions);
+    assert_eq!(report.resyncs, 2);
+}
+
+/// A block stored again while the tiers hold it (it follows a miss in its request): vLLM
+/// cascades it to every tier again, the core does not (T7); counted per block and tier.
+#[test]
+fn a_cascade_of_held_blocks_is_a_named_exception() {
+    let Some(mut o) = oracle() else { return };
+    let trace = Trace {
+        requests: vec![vec![1, 2, 3], vec![4, 5, 6], vec![7, 8], vec![9, 2, 3]],
+    };
+    let report = lockstep(&mut o, &trace, &with_tiers(Policy::Lru, 4, 2, 64))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.exceptions.get(RULE_T7), Some(&4), "{report:?}");
+    assert_eq!(report.resyncs, 0);
 }

@@ -145,6 +145,9 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
         out(format_args!("exception {rule}: {n}"));
     }
     out(format_args!("resyncs {}", report.resyncs));
+    for d in &report.diverged {
+        out(format_args!("  {d}"));
+    }
     if setup.tiers.is_empty() {
         // The timed path must replay exactly what the lockstep did.
         let (t, _) = replay_core(&core_keys(&trace), &setup);
