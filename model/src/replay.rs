@@ -46,9 +46,13 @@
 //!   writes every block to every tier). The jobs still agree on everything else; the replay
 //!   goes on in lockstep.
 //! - [`RULE_HIT_PROTECTION`] (★8): a promotion never evicts a block its own request was
-//!   answered Hit for in the step; vLLM may. The two primaries then hold different blocks, so
-//!   the replay *resynchronizes*: both managers start again with empty primaries over the
-//!   blocks the tiers hold, and the request runs again ([`Report::resyncs`]).
+//!   answered Hit for in the step; vLLM may. The signature: vLLM evicted such a hit and the
+//!   core did not. Under LRU it is also checked victim by victim: on a copy of the core taken
+//!   before the lookup pass, the core's policy, asked for its first idle victim at the
+//!   eviction where the two differ, must name vLLM's victim when the hits are not protected
+//!   and the core's when they are. The two primaries then hold different blocks, so the
+//!   replay *resynchronizes*: both managers start again with empty primaries over the blocks
+//!   the tiers hold, and the request runs again ([`Report::resyncs`]).
 //!
 //! [`replay_core`] is the core alone without any observation, for timing; its totals must
 //! equal the lockstep's.
@@ -896,6 +900,9 @@ pub struct Pair<'a> {
     pub exceptions: BTreeMap<&'static str, u64>,
     /// The keys the request was answered Hit for in the current step (★8's protected hits).
     step_hits: Vec<u64>,
+    /// The core before the current lookup pass and the pass's keys, kept (LRU with tiers)
+    /// when the pass could promote after a hit, to check a ★8 case victim by victim.
+    snapshot: Option<(Manager, Vec<u64>)>,
 }
 
 fn differ<T: fmt::Debug>(n: usize, what: &str, core: &T, vllm: &T) -> ReplayError {
@@ -936,6 +943,7 @@ impl<'a> Pair<'a> {
             vllm,
             exceptions: BTreeMap::new(),
             step_hits: Vec::new(),
+            snapshot: None,
         }
     }
 
@@ -949,19 +957,33 @@ impl<'a> Pair<'a> {
         }
         // ★8 explains it when vLLM evicted a block the request was answered Hit for in this
         // step and the core did not.
-        let hits: HashSet<u64> = self.step_hits.iter().copied().collect();
-        let removed = |events: &[PrimaryEvent]| -> HashSet<u64> {
+        let flat = |events: &[PrimaryEvent]| -> Vec<u64> {
             events
                 .iter()
                 .filter(|(removed, _)| *removed)
                 .flat_map(|(_, keys)| keys.iter().copied())
                 .collect()
         };
-        let core_removed = removed(&core);
-        let vllm_evicted_hit = removed(&vllm)
-            .into_iter()
-            .find(|k| hits.contains(k) && !core_removed.contains(k));
+        let (core_removed, vllm_removed) = (flat(&core), flat(&vllm));
+        let vllm_evicted_hit = vllm_removed
+            .iter()
+            .find(|k| self.step_hits.contains(k) && !core_removed.contains(k));
         if let Some(k) = vllm_evicted_hit {
+            // Under LRU, checked victim by victim (the snapshot is kept only then).
+            let checked = match self.snapshot.take() {
+                Some((before, ids)) => {
+                    check_hit_protection(before, n, &ids, &core_removed, &vllm_removed)
+                }
+                None => Ok(()),
+            };
+            if let Err(why) = checked {
+                return Err(differ(
+                    n,
+                    &format!("primary events after {after} (★8 does not explain them: {why})"),
+                    &core,
+                    &vllm,
+                ));
+            }
             return Err(ReplayError::Diverged {
                 request: n,
                 rule: RULE_HIT_PROTECTION,
@@ -1063,6 +1085,10 @@ impl Engine for Pair<'_> {
     }
 
     fn lookups(&mut self, n: usize, ids: &[u64]) -> Result<Vec<LookupResult>, ReplayError> {
+        self.snapshot = (self.core.setup.policy == Policy::Lru
+            && !self.core.setup.tiers.is_empty()
+            && may_promote_after_a_hit(&self.core.m, ids))
+        .then(|| (self.core.m.clone(), ids.to_vec()));
         let core = self.core.lookups(n, ids)?;
         let vllm = self.vllm.lookups(n, ids)?;
         // The hits before the first difference are the same in both.
@@ -1139,6 +1165,119 @@ impl Engine for Pair<'_> {
         let vllm = self.vllm.evicted(n)?;
         same(n, "evicted block counts", core, vllm)
     }
+}
+
+/// Whether a lookup pass over `ids` could start a promotion after a primary hit (the case
+/// ★8 is about): a Ready block followed, before the first block no tier holds, by a block
+/// only a tier holds.
+fn may_promote_after_a_hit(m: &Manager, ids: &[u64]) -> bool {
+    let mut hit = false;
+    for &id in ids {
+        let k = core_key(id);
+        if m.primary().state_of(&k).is_some() {
+            hit = true;
+            continue;
+        }
+        let held = (0..m.config().tiers.len()).any(|t| {
+            m.tier(TierId(t as u16))
+                .is_some_and(|i| i.state_of(&k).is_some())
+        });
+        if !held {
+            return false;
+        }
+        if hit {
+            return true;
+        }
+    }
+    false
+}
+
+/// Checks a ★8 case under LRU victim by victim: replays the pass's lookups on `probe` (the
+/// core before the pass) and, at the first eviction where the two managers differ, asks the
+/// core's policy for its first victim among the idle Ready blocks with and without the
+/// request's hits of the step: without protection it must be vLLM's victim (one of those
+/// hits), with it the core's (or none when the core refused the promotion).
+fn check_hit_protection(
+    mut probe: Manager,
+    n: usize,
+    ids: &[u64],
+    core: &[u64],
+    vllm: &[u64],
+) -> Result<(), String> {
+    use kvtier_core::policy::EvictionPolicy;
+    use kvtier_core::{BlockState, SlotId};
+
+    let i = core.iter().zip(vllm).take_while(|(c, v)| c == v).count();
+    let vllm_victim = *vllm.get(i).ok_or("vLLM evicted no more than the core")?;
+    let core_victim = core.get(i).copied();
+    let req = RequestId(n as u64);
+    let mut hits: Vec<Key> = Vec::new();
+    let mut evictions = 0usize;
+    for &id in ids {
+        let first_victim = |probe: &Manager, hits: &[Key], protect: bool| -> Option<u64> {
+            let p = probe.primary();
+            let mut out = Vec::new();
+            p.policy().select(
+                1,
+                &mut |slot| {
+                    p.key_at(SlotId(slot)).is_some_and(|k| {
+                        matches!(
+                            p.state_of(k),
+                            Some((
+                                _,
+                                BlockState::Ready {
+                                    load_pins: 0,
+                                    job_pins: 0
+                                }
+                            ))
+                        ) && !(protect && hits.contains(k))
+                    })
+                },
+                &mut out,
+            );
+            out.first()
+                .and_then(|&s| p.key_at(SlotId(s)))
+                .map(|k| block_id(k.as_bytes()))
+        };
+        let unprotected = first_victim(&probe, &hits, false);
+        let protected = first_victim(&probe, &hits, true);
+        let before = probe.stats().evictions;
+        let k = core_key(id);
+        let a = probe.lookup(req, &k);
+        let evicted = (probe.stats().evictions - before) as usize;
+        // A promotion the core refused (no room once the hits are protected) is a Miss for a
+        // block a tier holds.
+        let refused = a == Lookup::Miss
+            && evictions == i
+            && core_victim.is_none()
+            && (0..probe.config().tiers.len()).any(|t| {
+                probe
+                    .tier(TierId(t as u16))
+                    .is_some_and(|x| x.state_of(&k).is_some())
+            });
+        if evicted > 0 && evictions + evicted > i || refused {
+            let hit_ids: Vec<u64> = hits.iter().map(|k| block_id(k.as_bytes())).collect();
+            return if unprotected == Some(vllm_victim)
+                && hit_ids.contains(&vllm_victim)
+                && protected == core_victim
+            {
+                Ok(())
+            } else {
+                Err(format!(
+                    "at block {id}: first victim {unprotected:?} without protection, \
+                     {protected:?} with it; vLLM evicted {vllm_victim}, the core {core_victim:?}; \
+                     hits of the step {hit_ids:?}"
+                ))
+            };
+        }
+        evictions += evicted;
+        match a {
+            Lookup::Hit => hits.push(k),
+            Lookup::Miss => break,
+            _ => {}
+        }
+    }
+    Err("the pass never reached the eviction where they differ".into())
 }
 
 /// What a lockstep replay found.
