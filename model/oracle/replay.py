@@ -20,7 +20,12 @@ transfers completing before the next step):
 
 The primary hit ratio is hit blocks / looked-up blocks over the whole trace.
 
-Usage: replay.py [--vllm-dir DIR] [--policy lru|arc] [--fraction 0.05] TRACE
+With ``--time RUNS`` the replay runs RUNS times on new managers and reports the nanoseconds
+the manager calls took (the loop above; reading the trace, building the keys and making the
+manager are outside the clock) and the median per *block operation*: one key passed to
+``lookup``, ``prepare_load``, ``complete_load``, ``prepare_store`` or ``complete_store``.
+
+Usage: replay.py [--vllm-dir DIR] [--policy lru|arc] [--fraction 0.05] [--time RUNS] TRACE
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,19 +58,45 @@ def read_trace(path: str) -> list[list[int]]:
     return requests
 
 
-def replay(vllm, requests: list[list[int]], num_blocks: int, policy: str, block_tokens: int):
-    m = vllm.CPUOffloadingManager(num_chunks=num_blocks, cache_policy=policy)
-    LookupResult = vllm.LookupResult
-    step_end = vllm.ScheduleEndContext
+def request_keys(vllm, requests: list[list[int]]) -> list[list[bytes]]:
+    """Every request's keys, built before any replay (and outside any timing)."""
+    cache: dict[int, bytes] = {}
 
     def key(i: int) -> bytes:
-        return vllm.make_offload_key(i.to_bytes(8, "big", signed=False), 0)
+        k = cache.get(i)
+        if k is None:
+            k = cache[i] = vllm.make_offload_key(i.to_bytes(8, "big", signed=False), 0)
+        return k
 
-    totals = {"blocks": 0, "hits": 0, "stored": 0, "store_refused": 0, "deferrals": 0}
-    for n, ids in enumerate(requests):
+    return [[key(i) for i in ids] for ids in requests]
+
+
+def replay(vllm, requests: list[list[bytes]], num_blocks: int, policy: str, block_tokens: int):
+    """Replays the requests' keys; returns the totals and the nanoseconds the loop took.
+
+    The clock covers the loop of manager calls only: the manager is made before it and the
+    keys are built by ``request_keys``. A *block operation* is one key passed to ``lookup``,
+    ``prepare_load``, ``complete_load``, ``prepare_store`` or ``complete_store``
+    (``block_ops``), counted as ``kvtier_model::replay`` counts them.
+    """
+    m = vllm.CPUOffloadingManager(num_chunks=num_blocks, cache_policy=policy)
+    LookupResult = vllm.LookupResult
+    MISS, RETRY, HIT_PENDING = LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING
+    step_end = vllm.ScheduleEndContext
+    ReqContext = vllm.ReqContext
+
+    totals = {
+        "blocks": 0,
+        "hits": 0,
+        "stored": 0,
+        "store_refused": 0,
+        "deferrals": 0,
+        "block_ops": 0,
+    }
+    start = time.perf_counter_ns()
+    for n, keys in enumerate(requests):
         req_id = f"req-{n}"
-        ctx = vllm.ReqContext(req_id=req_id)
-        keys = [key(i) for i in ids]
+        ctx = ReqContext(req_id=req_id)
         with m.lock:
             m.on_new_request(ctx)
             for index, k in enumerate(keys):
@@ -71,16 +104,19 @@ def replay(vllm, requests: list[list[int]], num_blocks: int, policy: str, block_
 
             new_req_ids = [req_id]
             for _ in range(MAX_DEFERRALS):
-                hits, deferred = 0, False
+                hits, retries, deferred = 0, 0, False
                 for k in keys:
                     result = m.lookup(k, ctx)
-                    if result is LookupResult.MISS:
+                    if result is MISS:
+                        totals["block_ops"] += 1
                         break
-                    if result is LookupResult.RETRY:
+                    if result is RETRY:
+                        retries += 1
                         deferred = True
                     else:
                         hits += 1
-                        deferred |= result is LookupResult.HIT_PENDING
+                        deferred |= result is HIT_PENDING
+                totals["block_ops"] += hits + retries
                 if not deferred:
                     break
                 totals["deferrals"] += 1
@@ -94,8 +130,10 @@ def replay(vllm, requests: list[list[int]], num_blocks: int, policy: str, block_
                 m.on_schedule_end(step_end(new_req_ids=new_req_ids, preempted_req_ids=[]))
                 new_req_ids = []
                 m.complete_load(loaded, ctx)
+                totals["block_ops"] += 2 * hits
             if rest:
                 out = m.prepare_store(rest, ctx)
+                totals["block_ops"] += len(rest)
                 m.on_schedule_end(step_end(new_req_ids=new_req_ids, preempted_req_ids=[]))
                 new_req_ids = []
                 if out is None:
@@ -103,11 +141,13 @@ def replay(vllm, requests: list[list[int]], num_blocks: int, policy: str, block_
                 elif out.keys_to_store:
                     totals["stored"] += len(out.keys_to_store)
                     m.complete_store(out.keys_to_store, ctx)
+                    totals["block_ops"] += len(out.keys_to_store)
             m.on_request_finished(ctx)
             m.on_schedule_end(step_end(new_req_ids=new_req_ids, preempted_req_ids=[]))
         totals["blocks"] += len(keys)
         totals["hits"] += hits
-    return totals
+    elapsed = time.perf_counter_ns() - start
+    return totals, elapsed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,13 +158,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.05)
     parser.add_argument("--block-tokens", type=int, default=512)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--time",
+        type=int,
+        metavar="RUNS",
+        default=0,
+        help="replay RUNS times, each on a new manager, and report the nanoseconds of each "
+        "run's manager calls (manager_ns) and per block operation (ns_per_block_op, median)",
+    )
     args = parser.parse_args(argv)
 
     vllm = vllm_oracle.load_vllm(args.vllm_dir)
     requests = read_trace(args.trace)
     distinct = len({i for ids in requests for i in ids})
     num_blocks = max(1, int(args.fraction * distinct))
-    totals = replay(vllm, requests, num_blocks, args.policy, args.block_tokens)
+    keys = request_keys(vllm, requests)
+    runs = [replay(vllm, keys, num_blocks, args.policy, args.block_tokens)]
+    for _ in range(1, args.time):
+        runs.append(replay(vllm, keys, num_blocks, args.policy, args.block_tokens))
+    totals = runs[0][0]
+    if any(t != totals for t, _ in runs):
+        raise RuntimeError("two runs of the same replay disagree")
     ratio = totals["hits"] / totals["blocks"] if totals["blocks"] else 0.0
     report = {
         "vllm": vllm.version,
@@ -135,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         "primary_hit_ratio": round(ratio, 4),
         **totals,
     }
+    if args.time:
+        ns = [elapsed for _, elapsed in runs]
+        report["manager_ns"] = ns
+        report["ns_per_block_op"] = round(statistics.median(ns) / totals["block_ops"], 1)
     if args.json:
         print(json.dumps(report))
     else:

@@ -10,12 +10,16 @@
 //!   stable by the corpus test.
 //! - [`oracle`]: vLLM 0.33.0's own offloading managers as a differential oracle
 //!   ([`oracle::VllmOracle`], a client of `model/oracle/vllm_oracle.py`).
+//! - [`replay`]: a Mooncake-format trace replayed with vLLM 0.33's scheduler call sequence
+//!   through the core, through vLLM's manager, or both in lockstep with every answer compared
+//!   (the `vllm-replay` binary and `tests/vllm_replay.rs`).
 
 pub mod checker;
 mod harness;
 mod op;
 pub mod oracle;
 mod reference;
+pub mod replay;
 
 pub use harness::{Harness, Mismatch};
 pub use op::{ConfigChoice, Finish, Invalid, KEYS, MAX_LIST, Op, key, keys, request};
