@@ -62,7 +62,12 @@ struct AccessKey {
     key: Key,
     position: Option<u64>,
     flags: u8,
+    /// The slot the key was last seen in by this request (checked before use: the block may
+    /// have left since).
+    slot: u32,
 }
+
+const NO_SLOT: u32 = u32::MAX;
 
 const SEEN: u8 = 1;
 const INSERTED: u8 = 2;
@@ -110,6 +115,7 @@ impl Access {
                     key: key.clone(),
                     position: None,
                     flags: 0,
+                    slot: NO_SLOT,
                 });
                 let i = (self.keys.len() - 1) as u32;
                 self.index.insert(hash(key), i);
@@ -118,8 +124,16 @@ impl Access {
         }
     }
 
-    /// R6: the seen keys, head to tail.
-    fn order(&self) -> Vec<u32> {
+    /// Empties the record, keeping its allocations.
+    fn clear(&mut self) {
+        self.run = None;
+        self.keys.clear();
+        self.index.clear();
+        self.seen.clear();
+    }
+
+    /// R6: the seen keys, head to tail, into `out` (emptied first).
+    fn order_into(&self, out: &mut Vec<u32>) {
         let group = |i: u32| {
             let k = self.keys[i as usize].key.as_bytes();
             match k.len().checked_sub(4) {
@@ -128,35 +142,26 @@ impl Access {
             }
         };
         let pos = |i: u32| self.keys[i as usize].position;
-        let mut order = self.seen.clone();
-        if order.iter().all(|&i| pos(i).is_some()) {
-            // Every key has a position: by position, ties by group, then first seen (the
-            // result of the group-wise sorts below followed by a stable sort by position).
-            let mut keyed: Vec<(u64, u32, usize, u32)> = order
-                .iter()
-                .enumerate()
-                .map(|(n, &i)| (pos(i).expect("checked"), group(i), n, i))
-                .collect();
-            keyed.sort_unstable();
-            return keyed.into_iter().map(|(.., i)| i).collect();
+        out.clear();
+        out.extend_from_slice(&self.seen);
+        if out.iter().all(|&i| pos(i).is_some()) {
+            // Every key has a position: by position, ties by group, then first seen (what the
+            // group-wise sorts below followed by a stable sort by position give).
+            out.sort_by_key(|&i| (pos(i), group(i)));
+            return;
         }
         // Groups ascending, first-seen order within a group (the sort is stable), and a group
         // by position when each of its keys has one.
-        order.sort_by_key(|&i| group(i));
+        out.sort_by_key(|&i| group(i));
         let mut start = 0;
-        while start < order.len() {
-            let g = group(order[start]);
-            let end = start
-                + order[start..]
-                    .iter()
-                    .take_while(|&&i| group(i) == g)
-                    .count();
-            if order[start..end].iter().all(|&i| pos(i).is_some()) {
-                order[start..end].sort_by_key(|&i| pos(i));
+        while start < out.len() {
+            let g = group(out[start]);
+            let end = start + out[start..].iter().take_while(|&&i| group(i) == g).count();
+            if out[start..end].iter().all(|&i| pos(i).is_some()) {
+                out[start..end].sort_by_key(|&i| pos(i));
             }
             start = end;
         }
-        order
     }
 }
 
@@ -183,6 +188,10 @@ pub struct Primary {
     record_events: bool,
     reuse: Option<ReuseTracker>,
     requests: BTreeMap<RequestId, Access>,
+    /// Records of finished requests, emptied, kept for their allocations.
+    spare: Vec<Access>,
+    /// Reused by `request_finished`.
+    order_scratch: Vec<u32>,
     stores_skipped: u64,
     /// Ready blocks with no pin (vLLM's evictable chunks).
     evictable: u32,
@@ -191,6 +200,9 @@ pub struct Primary {
     /// Metrics since the last `take_metrics`.
     window: Window,
 }
+
+/// Emptied request records kept for reuse.
+const MAX_SPARE_RECORDS: usize = 64;
 
 /// Most allocation sizes kept between two `take_metrics` calls; later ones are counted only.
 const MAX_ALLOCATION_SIZES: usize = 1 << 16;
@@ -253,6 +265,8 @@ impl Primary {
             record_events: true,
             reuse: reuse.map(ReuseTracker::new),
             requests: BTreeMap::new(),
+            spare: Vec::new(),
+            order_scratch: Vec::new(),
             stores_skipped: 0,
             evictable: 0,
             writing: 0,
@@ -316,29 +330,43 @@ impl Primary {
         self.requests.len()
     }
 
+    /// `req`'s record, started (from a spare one when there is one) if it has none.
+    fn access<'a>(
+        requests: &'a mut BTreeMap<RequestId, Access>,
+        spare: &mut Vec<Access>,
+        req: RequestId,
+    ) -> &'a mut Access {
+        requests
+            .entry(req)
+            .or_insert_with(|| spare.pop().unwrap_or_default())
+    }
+
     /// R1: starts `req`'s record if it has none.
     pub fn new_request(&mut self, req: RequestId) {
-        self.requests.entry(req).or_default();
+        Self::access(&mut self.requests, &mut self.spare, req);
     }
 
     /// R2: the end-token position of `key` in `req`.
     pub fn set_position(&mut self, req: RequestId, key: &Key, end_token: u64) {
-        self.requests.entry(req).or_default().entry(key).position = Some(end_token);
+        Self::access(&mut self.requests, &mut self.spare, req)
+            .entry(key)
+            .position = Some(end_token);
     }
 
-    /// R3, R4: `req` accessed `keys` (in this order); the first-seen ones go to the policy.
-    /// `reused` says which of them count as reuses (unless the request inserted them).
-    fn record<'k>(&mut self, req: RequestId, keys: impl IntoIterator<Item = (&'k Key, bool)>) {
-        let access = self.requests.entry(req).or_default();
+    /// R3, R4: `req` loaded `keys` (all Ready, in `slots`): each is a reuse unless the request
+    /// inserted it; the first-seen ones go to the policy (L4).
+    fn record_loads(&mut self, req: RequestId, keys: &[Key], slots: &[SlotId]) {
+        let access = Self::access(&mut self.requests, &mut self.spare, req);
         let first = access.seen.len();
-        for (key, reused) in keys {
+        for (key, &SlotId(s)) in keys.iter().zip(slots) {
             let i = access.entry_index(key);
             let e = &mut access.keys[i as usize];
+            e.slot = s;
             if e.flags & SEEN == 0 {
                 e.flags |= SEEN;
                 access.seen.push(i);
             }
-            if reused && e.flags & INSERTED == 0 {
+            if e.flags & INSERTED == 0 {
                 e.flags |= REUSED;
             }
         }
@@ -352,17 +380,12 @@ impl Primary {
         let Some(run) = access.run else {
             return;
         };
+        let slots = &self.slots;
+        let key_of = |id: u32| slots[id as usize].key.clone().expect("resident");
         for &i in &access.seen[first..] {
             let e = &access.keys[i as usize];
-            let Some(position) = e.position else {
-                continue;
-            };
-            let slots = &self.slots;
-            if let Some(s) = self.index.find(hash(&e.key), |s| {
-                slots[s as usize].key.as_ref() == Some(&e.key)
-            }) {
-                let key_of = |id: u32| slots[id as usize].key.clone().expect("resident");
-                self.policy.access(s, run, position, &key_of);
+            if let Some(position) = e.position {
+                self.policy.access(e.slot, run, position, &key_of);
             }
         }
     }
@@ -372,7 +395,9 @@ impl Primary {
         let Some(access) = self.requests.remove(&req) else {
             return;
         };
-        for i in access.order().into_iter().rev() {
+        let mut order = core::mem::take(&mut self.order_scratch);
+        access.order_into(&mut order);
+        for &i in order.iter().rev() {
             let e = &access.keys[i as usize];
             let used = if e.flags & REUSED != 0 {
                 Use::Reused
@@ -381,13 +406,29 @@ impl Primary {
             } else {
                 Use::Seen
             };
-            let resident = self.find(&e.key);
+            // The slot the request last saw it in, if it still holds it; else the index.
+            let hinted = self
+                .slots
+                .get(e.slot as usize)
+                .is_some_and(|slot| slot.key.as_ref() == Some(&e.key));
+            let resident = if hinted {
+                Some(e.slot)
+            } else {
+                self.find(&e.key)
+            };
             self.policy.finish(&e.key, resident, used);
         }
+        self.order_scratch = order;
         if let Some(run) = access.run {
             self.policy.close_run(run);
         }
         tracing::debug!(%req, keys = access.seen.len(), "request finished");
+        // Most requests are alike: keep a few records' allocations for the next ones.
+        if self.spare.len() < MAX_SPARE_RECORDS {
+            let mut access = access;
+            access.clear();
+            self.spare.push(access);
+        }
     }
 
     /// Whether to record events (on by default). Events accumulate until taken.
@@ -523,7 +564,7 @@ impl Primary {
     /// misses to the policy, last to first) and L4 (the request's run, newly seen resident
     /// keys ranked).
     fn begin_store(&mut self, req: RequestId, keys: &[Key], filter: bool) -> Offer {
-        let access = self.requests.entry(req).or_default();
+        let access = Self::access(&mut self.requests, &mut self.spare, req);
         let first_seen = access.seen.len();
         let mut offer = Offer::default();
         // Newly seen Ready keys with a position: (slot, position) for L4.
@@ -550,6 +591,9 @@ impl Primary {
             };
             let i = access.entry_index(key);
             let e = &mut access.keys[i as usize];
+            if let Some(s) = found {
+                e.slot = s;
+            }
             if e.flags & SEEN == 0 {
                 e.flags |= SEEN;
                 access.seen.push(i);
@@ -654,6 +698,7 @@ impl Primary {
             // L1: ranked in the request's run when the request gave the key a position.
             let e = &mut access.keys[i as usize];
             e.flags |= INSERTED;
+            e.slot = s;
             match e.position {
                 Some(position) => {
                     if access.run.is_none() {
@@ -761,7 +806,7 @@ impl Primary {
             }
             self.slots[s.index()].load_pins += 1;
         }
-        self.record(req, keys.iter().map(|k| (k, true)));
+        self.record_loads(req, keys, &slots);
         tracing::debug!(count = slots.len(), "primary prepare_load");
         Ok(slots)
     }

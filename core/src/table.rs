@@ -74,6 +74,12 @@ impl IdTable {
         self.len
     }
 
+    /// Removes every id, keeping the buckets.
+    pub(crate) fn clear(&mut self) {
+        self.buckets.fill(FREE);
+        self.len = 0;
+    }
+
     /// The bucket where a tag's probe run starts: the tag scaled to the bucket count (no
     /// power-of-two rounding, so a table can be sized to its load exactly).
     #[inline]

@@ -218,6 +218,10 @@ impl TieringModel {
                     }
                     n.hits.insert((req, k));
                 }
+                // Each engine call is a whole request (R1–R6): no record outlives an action,
+                // so the state space stays that of the blocks. The ★8 protection of the
+                // step's hits is the manager's, kept until the step ends.
+                m.request_finished(req);
             }
             Action::Store(ks, ok) => {
                 let ks: Vec<Key> = ks.iter().map(|&k| key(k)).collect();
@@ -232,9 +236,11 @@ impl TieringModel {
                     }
                     m.complete_store(RequestId(0), &p.keys, *ok);
                 }
+                m.request_finished(RequestId(0));
             }
             Action::Load(k) => {
                 let _ = m.prepare_load(RequestId(0), &[key(*k)]);
+                m.request_finished(RequestId(0));
             }
             Action::Unload(k) => {
                 if m.complete_load(&[key(*k)]).is_err() {
@@ -298,6 +304,8 @@ impl TieringModel {
         while let Some(e) = m.poll_effect() {
             let _: Effect = e;
         }
+        // The metrics window is no part of the state: keep it from growing along a path.
+        let _ = m.take_metrics();
         // No block leaves by eviction unless it was idle: Ready, unpinned, not in use, and
         // not one of the promoting request's own hits.
         for ev in m.take_events() {

@@ -6,9 +6,13 @@ use kvtier_model::checker::TieringModel;
 use stateright::{Checker, Model};
 
 /// Unique states of [`TieringModel::ci`] at its closure.
-const CI_STATES: usize = 3_444_624;
+const CI_STATES: usize = 7_299_926;
 
 #[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "11 minutes in a release build, far more here: scripts/test.sh runs it with --release"
+)]
 fn ci_configuration_is_checked_exhaustively() {
     let started = std::time::Instant::now();
     let checker = TieringModel::ci().checker().threads(2).spawn_bfs().join();
