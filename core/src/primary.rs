@@ -147,7 +147,10 @@ impl Access {
         if out.iter().all(|&i| pos(i).is_some()) {
             // Every key has a position: by position, ties by group, then first seen (what the
             // group-wise sorts below followed by a stable sort by position give).
-            out.sort_by_key(|&i| (pos(i), group(i)));
+            // Usually already so: a request sees its blocks head first.
+            if !out.is_sorted_by_key(|&i| (pos(i), group(i))) {
+                out.sort_by_key(|&i| (pos(i), group(i)));
+            }
             return;
         }
         // Groups ascending, first-seen order within a group (the sort is stable), and a group
@@ -566,7 +569,11 @@ impl Primary {
     fn begin_store(&mut self, req: RequestId, keys: &[Key], filter: bool) -> Offer {
         let access = Self::access(&mut self.requests, &mut self.spare, req);
         let first_seen = access.seen.len();
-        let mut offer = Offer::default();
+        let mut offer = Offer {
+            keys: Vec::with_capacity(keys.len()),
+            entries: Vec::with_capacity(keys.len()),
+            protected: Vec::new(),
+        };
         // Newly seen Ready keys with a position: (slot, position) for L4.
         let mut ranked = Vec::new();
         for key in keys {
@@ -611,7 +618,7 @@ impl Primary {
                 offer.entries.push(i);
             }
         }
-        let mut missed = Vec::new();
+        let mut missed = Vec::with_capacity(offer.entries.len());
         for &i in &offer.entries {
             let e = &mut access.keys[i as usize];
             e.flags &= !QUEUED;
@@ -649,7 +656,7 @@ impl Primary {
         let keys = &offer.keys;
         let protected = &offer.protected;
         let needed = keys.len().saturating_sub(self.free_slots());
-        let mut victims = Vec::new();
+        let mut victims = Vec::with_capacity(needed);
         if needed > 0 {
             let slots = &self.slots;
             self.policy.select(
