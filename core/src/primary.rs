@@ -204,6 +204,9 @@ pub struct Primary {
     window: Window,
 }
 
+/// Live requests the primary's LRU has room for without growing (more still fit).
+const RESERVED_RUNS: usize = 256;
+
 /// Emptied request records kept for reuse.
 const MAX_SPARE_RECORDS: usize = 64;
 
@@ -263,7 +266,13 @@ impl Primary {
             index: IdTable::with_capacity(n, PRIMARY_TABLE_LOAD),
             next_fresh: 0,
             free: Vec::new(),
-            policy: Policy::new(policy, n),
+            policy: {
+                let mut p = Policy::new(policy, n);
+                if let Policy::Lru(lru) = &mut p {
+                    lru.reserve_runs(RESERVED_RUNS);
+                }
+                p
+            },
             events: Vec::new(),
             record_events: true,
             reuse: reuse.map(ReuseTracker::new),

@@ -66,6 +66,11 @@ impl<const N: usize> Lists<N> {
         }
     }
 
+    /// Makes room for ids up to `n` without growing.
+    pub(crate) fn reserve_ids(&mut self, n: usize) {
+        self.links.reserve_exact(n.saturating_sub(self.links.len()));
+    }
+
     pub(crate) fn len(&self, list: usize) -> usize {
         self.len[list]
     }

@@ -46,12 +46,21 @@ impl LruPolicy {
         LruPolicy {
             order: Lists::with_capacity(capacity),
             first_sentinel: capacity as u32,
-            ranks: Vec::with_capacity(capacity),
+            // Grown on demand: a tier's index holds far fewer entries than its capacity.
+            ranks: Vec::new(),
             next_rank: 0,
             free_sentinels: Vec::new(),
             sentinels: 0,
             entries: 0,
         }
+    }
+
+    /// Makes room for `runs` open runs beside `capacity` entries, so that a run's sentinel
+    /// does not double the tables (the primary's LRU, whose slots all fill).
+    pub(crate) fn reserve_runs(&mut self, runs: usize) {
+        let ids = self.first_sentinel as usize + runs;
+        self.order.reserve_ids(ids);
+        self.ranks.reserve_exact(ids.saturating_sub(self.ranks.len()));
     }
 
     /// Ids from the next victim to the most recent, sentinels left out.
