@@ -60,7 +60,8 @@ impl LruPolicy {
     pub(crate) fn reserve_runs(&mut self, runs: usize) {
         let ids = self.first_sentinel as usize + runs;
         self.order.reserve_ids(ids);
-        self.ranks.reserve_exact(ids.saturating_sub(self.ranks.len()));
+        self.ranks
+            .reserve_exact(ids.saturating_sub(self.ranks.len()));
     }
 
     /// Ids from the next victim to the most recent, sentinels left out.
