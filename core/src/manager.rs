@@ -537,6 +537,11 @@ impl Manager {
     pub fn take_events(&mut self) -> Vec<Event> {
         let mut events = core::mem::take(&mut self.events);
         self.primary.filter_discarded(&mut events);
+        // As vLLM 0.33 gives them: the primary's first, then each tier's, each in order.
+        events.sort_by_key(|e| match e.medium {
+            Medium::Primary => 0,
+            Medium::Tier(t) => 1 + u32::from(t.0),
+        });
         events
     }
 
@@ -566,6 +571,7 @@ impl Manager {
         }
         self.primary.reset();
         self.stats.load_pins = 0;
+        self.collected = false; // vLLM reopens its once-per-step poll
         self.promotions_held = !self.tiers.is_empty();
         tracing::debug!(held = self.promotions_held, "cache reset");
         self.debug_check();
@@ -577,12 +583,11 @@ impl Manager {
         self.promotions_held = false;
     }
 
-    /// vLLM 0.33's `has_pending_work`: a job is outstanding, a result waits to be collected,
-    /// or a promotion waits for `end_step` to be submitted.
+    /// vLLM 0.33's `has_pending_work`, a little wider: a job is outstanding (its result
+    /// handed in or not), or a promotion waits for `end_step` to be submitted (vLLM counts
+    /// those only once submitted; its scheduler asks after the step's end).
     pub fn has_pending_work(&self) -> bool {
-        !self.jobs.is_empty()
-            || !self.inbox.is_empty()
-            || self.requests.by_id.values().any(|r| !r.batches.is_empty())
+        !self.jobs.is_empty() || !self.requests.staged.is_empty()
     }
 
     /// Durability (★6): records blocks found in a tier at start as Present, up to its

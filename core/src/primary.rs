@@ -124,6 +124,19 @@ impl Access {
         }
     }
 
+    /// M13: keeps only the keys' positions: no rank, nothing seen, stored or reused.
+    fn forget_all_but_positions(&mut self) {
+        self.run = None;
+        self.seen.clear();
+        self.keys.retain(|k| k.position.is_some());
+        self.index.clear();
+        for (i, k) in self.keys.iter_mut().enumerate() {
+            k.flags = 0;
+            k.slot = NO_SLOT;
+            self.index.insert(hash(&k.key), i as u32);
+        }
+    }
+
     /// Empties the record, keeping its allocations.
     fn clear(&mut self) {
         self.run = None;
@@ -229,7 +242,8 @@ pub struct Metrics {
     pub num_blocks: u32,
     /// Occupied blocks that cannot be evicted now: in flight (Pending, Promoting) or pinned.
     pub used_blocks: u32,
-    /// Blocks being written: a store (Pending) or a promotion (Promoting) in flight.
+    /// Blocks being written: a store (Pending) or a promotion (Promoting, staged or
+    /// submitted).
     pub writing_blocks: u32,
     /// The number of blocks each `prepare_store` (and each promotion) set out to allocate,
     /// refused or not, in call order (vLLM's allocation-size histogram).
@@ -295,11 +309,19 @@ impl Primary {
             Policy::Arc(_) => crate::config::PolicyKind::Arc,
         };
         self.slots.fill(FREE_SLOT);
-        self.index = IdTable::with_capacity(n, PRIMARY_TABLE_LOAD);
+        self.index.clear();
         self.next_fresh = 0;
         self.free.clear();
         self.policy = Policy::new(kind, n);
-        self.requests.clear();
+        if let Policy::Lru(lru) = &mut self.policy {
+            lru.reserve_runs(RESERVED_RUNS);
+        }
+        // Live requests keep the positions the engine gave (vLLM keeps them in the request's
+        // context, and its scheduler does not give them again); everything else they
+        // accessed is forgotten with the cache.
+        for access in self.requests.values_mut() {
+            access.forget_all_but_positions();
+        }
         self.evictable = 0;
         self.writing = 0;
     }
@@ -565,7 +587,8 @@ impl Primary {
         protected: &[u32],
     ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
         let mut offer = self.begin_store(req, core::slice::from_ref(key), false);
-        offer.protected = protected.to_vec();
+        offer.protected.extend_from_slice(protected);
+        offer.protected.sort_unstable();
         self.observe_allocation(1);
         self.admit(req, &offer, SlotState::Promoting)
     }

@@ -737,3 +737,38 @@ fn reset_cache_forgets_the_primary_and_holds_promotions_until_flushed() {
     assert_eq!(m.lookup(R1, &key(1)), Lookup::HitPending);
     m.check_invariants().unwrap();
 }
+
+/// M13: a reset keeps the positions a live request was given (vLLM keeps them in the request's
+/// context and its scheduler does not give them again): the request's blocks stored after the
+/// reset are still ranked tail first (L1).
+#[test]
+fn reset_cache_keeps_live_requests_positions() {
+    let mut m = manager(2, &[]);
+    let s = RequestId(9);
+    m.set_position(R1, &key(1), 16);
+    m.set_position(R1, &key(2), 32);
+    m.reset_cache().unwrap();
+    store(&mut m, R1, &keys([1, 2]));
+    assert_eq!(
+        m.prepare_store(s, &keys([3])).unwrap().evicted,
+        keys([2]),
+        "the tail (position 32) goes first"
+    );
+}
+
+/// P16: events come as vLLM 0.33 gives them: the primary's first, then each tier's.
+#[test]
+fn events_come_primary_first_then_by_tier() {
+    let mut m = manager(1, &[4]);
+    store(&mut m, R1, &keys([1])); // cascade job
+    complete_all(&mut m);
+    m.end_step();
+    m.lookup(R1, &key(9)); // collects: the tier's Stored event
+    m.prepare_store(R1, &keys([2])).unwrap(); // evicts 1 from the primary
+    let media: Vec<Medium> = m.take_events().iter().map(|e| e.medium).collect();
+    assert_eq!(
+        media,
+        [Medium::Primary, Medium::Primary, Medium::Tier(T0)],
+        "stored 1, removed 1, then the tier's stored 1"
+    );
+}

@@ -1108,7 +1108,17 @@ impl RefModel {
             }
             !e.keys.is_empty()
         });
-        events
+        // vLLM's tiering manager yields the primary's events, then tier 0's, tier 1's, ...
+        let mut ordered: Vec<Event> = events
+            .iter()
+            .filter(|e| e.medium == Medium::Primary)
+            .cloned()
+            .collect();
+        for t in 0..self.tiers.len() {
+            let tier = Medium::Tier(TierId(t as u16));
+            ordered.extend(events.iter().filter(|e| e.medium == tier).cloned());
+        }
+        ordered
     }
 
     /// Every effect since the last call, in order.
