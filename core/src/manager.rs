@@ -74,6 +74,24 @@ impl Requests {
     fn get_mut(&mut self, req: RequestId) -> &mut RequestStep {
         self.by_id.entry(req).or_default()
     }
+
+    /// Takes the staged promotion batches in M5's order: tiers by first staged promotion,
+    /// then requests by first promotion from the tier.
+    fn take_staged(&mut self) -> Vec<(RequestId, Batch)> {
+        let mut out = Vec::new();
+        for (tier, reqs) in core::mem::take(&mut self.staged) {
+            for req in reqs {
+                let step = self.by_id.get_mut(&req).expect("staged request exists");
+                let i = step
+                    .batches
+                    .iter()
+                    .position(|b| b.tier == tier)
+                    .expect("staged batch exists");
+                out.push((req, step.batches.swap_remove(i)));
+            }
+        }
+        out
+    }
 }
 
 /// Failed promotions: `(tier, key)` skipped by lookups until a step (rule ★2).
@@ -493,24 +511,15 @@ impl Manager {
             self.requests = requests;
             requests = Requests::default();
         }
-        for (tier, reqs) in core::mem::take(&mut requests.staged) {
-            for req in reqs {
-                let step = requests.by_id.get_mut(&req).expect("staged request exists");
-                let i = step
-                    .batches
-                    .iter()
-                    .position(|b| b.tier == tier)
-                    .expect("staged batch exists");
-                let b = step.batches.swap_remove(i);
-                self.submit(
-                    b.tier,
-                    JobKind::Load {
-                        request: req,
-                        blocks: b.blocks.into(),
-                    },
-                    b.entries,
-                );
-            }
+        for (req, b) in requests.take_staged() {
+            self.submit(
+                b.tier,
+                JobKind::Load {
+                    request: req,
+                    blocks: b.blocks.into(),
+                },
+                b.entries,
+            );
         }
         let interval = u64::from(self.config.health.probe_interval_steps);
         for t in 0..self.tiers.len() {
@@ -684,20 +693,11 @@ impl Manager {
             );
         }
         let mut requests = core::mem::take(&mut self.requests);
-        for (tier, reqs) in core::mem::take(&mut requests.staged) {
-            for req in reqs {
-                let step = requests.by_id.get_mut(&req).expect("staged request exists");
-                let i = step
-                    .batches
-                    .iter()
-                    .position(|b| b.tier == tier)
-                    .expect("staged batch exists");
-                let b = step.batches.swap_remove(i);
-                self.primary
-                    .finish_promotions(b.blocks.iter().map(|t| (t.slot, false)));
-                for &e in &b.entries {
-                    self.tiers[b.tier.index()].index.end_read(e, false, true);
-                }
+        for (_, b) in requests.take_staged() {
+            self.primary
+                .finish_promotions(b.blocks.iter().map(|t| (t.slot, false)));
+            for &e in &b.entries {
+                self.tiers[b.tier.index()].index.end_read(e, false, true);
             }
         }
         self.primary.drain_events(&mut self.events);

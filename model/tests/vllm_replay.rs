@@ -7,29 +7,15 @@
 //! Needs the install of `scripts/vllm-oracle-setup.sh`: without it, a loud skip (a failure
 //! under `CI=true`).
 
-use std::io::Write;
-
-use kvtier_model::oracle::{OracleError, Policy, VllmOracle};
+use kvtier_model::oracle::{Policy, VllmOracle};
 use kvtier_model::replay::{
     CoreEngine, OracleEngine, Pair, RULE_HIT_PROTECTION, RULE_T7, ReplayError, Setup, Trace,
     TraceError, core_keys, lockstep, replay_core, run_lockstep,
 };
 
+/// The oracle, or `None` (after a loud message) when it is not installed outside CI.
 fn oracle() -> Option<VllmOracle> {
-    match VllmOracle::spawn() {
-        Ok(o) => Some(o),
-        Err(e @ OracleError::NotInstalled { .. }) => {
-            if std::env::var("CI").as_deref() == Ok("true") {
-                panic!("{e}");
-            }
-            let _ = writeln!(
-                std::io::stderr(),
-                "\n**********\nSKIPPED: {e}\n**********\n"
-            );
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
+    VllmOracle::spawn_or_skip()
 }
 
 /// The excerpt's requests: each one's block ids in prefix order.
