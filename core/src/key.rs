@@ -9,36 +9,88 @@ use core::fmt;
 /// Equal bytes name the same block. kvtier never hashes a key with a per-process seed: the same
 /// tokens give the same key in every process and after a restart. A key carries a fixed 64-bit
 /// hash of its bytes, computed once when it is made, so the core's indexes never hash again;
-/// equality still compares the bytes. Cloning a `Key` is cheap (the bytes are shared), so the
-/// core keeps one copy of the bytes however many tiers hold the block.
+/// equality still compares the bytes.
+///
+/// A key of up to [`Key::INLINE`] bytes (vLLM's 36-byte keys among them) keeps its bytes inline:
+/// cloning one copies 56 bytes and touches no shared memory, so the core's hot paths pay no
+/// atomic reference count and no cache miss on a separate allocation. A longer key shares its
+/// bytes behind a reference count, so a clone stays cheap.
 #[derive(Clone)]
 pub struct Key {
     hash: u64,
-    bytes: Arc<[u8]>,
+    repr: Repr,
 }
 
+#[derive(Clone)]
+enum Repr {
+    /// The bytes, zero after `len`.
+    Inline {
+        len: u8,
+        bytes: Inline,
+    },
+    Shared(Arc<[u8]>),
+}
+
+/// Inline bytes.
+#[derive(Clone, Copy)]
+struct Inline([u8; Key::INLINE]);
+
+impl Inline {
+    /// Equality as three 16-byte words (the last two overlap), compared without a call.
+    #[inline]
+    fn words_eq(&self, other: &Inline) -> bool {
+        let word = |b: &Inline, at: usize| {
+            u128::from_ne_bytes(b.0[at..at + 16].try_into().expect("16 bytes"))
+        };
+        (word(self, 0) ^ word(other, 0))
+            | (word(self, 16) ^ word(other, 16))
+            | (word(self, Key::INLINE - 16) ^ word(other, Key::INLINE - 16))
+            == 0
+    }
+}
+
+// 56 bytes: the hash, the inline bytes, their length and the variant's tag.
+const _: () = assert!(core::mem::size_of::<Key>() == 56);
+
 impl Key {
+    /// The longest key kept inline (longer keys share their bytes).
+    pub const INLINE: usize = 46;
+
     /// Makes a key from its bytes.
     pub fn new(bytes: &[u8]) -> Self {
+        let repr = if bytes.len() <= Key::INLINE {
+            let mut inline = Inline([0u8; Key::INLINE]);
+            inline.0[..bytes.len()].copy_from_slice(bytes);
+            Repr::Inline {
+                len: bytes.len() as u8,
+                bytes: inline,
+            }
+        } else {
+            Repr::Shared(Arc::from(bytes))
+        };
         Key {
             hash: hash_bytes(bytes),
-            bytes: Arc::from(bytes),
+            repr,
         }
     }
 
     /// The key's bytes.
+    #[inline]
     pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes
+        match &self.repr {
+            Repr::Inline { len, bytes } => &bytes.0[..usize::from(*len)],
+            Repr::Shared(bytes) => bytes,
+        }
     }
 
     /// Number of bytes in the key.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.as_bytes().len()
     }
 
     /// Whether the key has no bytes.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.as_bytes().is_empty()
     }
 
     /// The fixed 64-bit hash of the key's bytes (the same in every process).
@@ -72,7 +124,15 @@ impl PartialEq for Key {
     #[inline]
     fn eq(&self, other: &Self) -> bool {
         self.hash == other.hash
-            && (Arc::ptr_eq(&self.bytes, &other.bytes) || self.bytes == other.bytes)
+            && match (&self.repr, &other.repr) {
+                // Fixed-size compares: the unused inline bytes are zero.
+                (Repr::Inline { len: a, bytes: x }, Repr::Inline { len: b, bytes: y }) => {
+                    a == b && x.words_eq(y)
+                }
+                (Repr::Shared(a), Repr::Shared(b)) => Arc::ptr_eq(a, b) || a == b,
+                // The length decides the variant: an inline key never equals a shared one.
+                _ => false,
+            }
     }
 }
 
@@ -87,7 +147,7 @@ impl PartialOrd for Key {
 impl Ord for Key {
     /// By bytes, as the bytes are the key.
     fn cmp(&self, other: &Self) -> core::cmp::Ordering {
-        self.bytes.cmp(&other.bytes)
+        self.as_bytes().cmp(other.as_bytes())
     }
 }
 
@@ -105,9 +165,12 @@ impl From<&[u8]> for Key {
 
 impl From<Vec<u8>> for Key {
     fn from(bytes: Vec<u8>) -> Self {
+        if bytes.len() <= Key::INLINE {
+            return Key::new(&bytes);
+        }
         Key {
             hash: hash_bytes(&bytes),
-            bytes: Arc::from(bytes),
+            repr: Repr::Shared(Arc::from(bytes)),
         }
     }
 }
@@ -120,17 +183,18 @@ impl<const N: usize> From<[u8; N]> for Key {
 
 impl AsRef<[u8]> for Key {
     fn as_ref(&self) -> &[u8] {
-        &self.bytes
+        self.as_bytes()
     }
 }
 
 impl fmt::Display for Key {
     /// Hex of the first 8 bytes, then `…` if the key is longer.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in self.bytes.iter().take(8) {
+        let bytes = self.as_bytes();
+        for b in bytes.iter().take(8) {
             write!(f, "{b:02x}")?;
         }
-        if self.bytes.len() > 8 {
+        if bytes.len() > 8 {
             f.write_str("…")?;
         }
         Ok(())
@@ -189,5 +253,34 @@ impl TierId {
     /// The tier's position in [`Config::tiers`](crate::Config::tiers).
     pub fn index(self) -> usize {
         usize::from(self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys at, below and above the inline limit keep their bytes, and equal bytes (however
+    /// the key was made) are the same key; different bytes of one length are not.
+    #[test]
+    fn inline_and_shared_keys_compare_by_bytes() {
+        for len in [0, 1, 36, Key::INLINE, Key::INLINE + 1, 100] {
+            let bytes: Vec<u8> = (0..len).map(|i| i as u8 ^ 0x5a).collect();
+            let a = Key::new(&bytes);
+            let b = Key::from(bytes.clone());
+            assert_eq!(a.as_bytes(), &bytes[..]);
+            assert_eq!(a.len(), len);
+            assert_eq!(a, b);
+            assert_eq!(a.clone(), b);
+            assert_eq!(a.cmp(&b), core::cmp::Ordering::Equal);
+            if len > 0 {
+                let mut other = bytes.clone();
+                other[len - 1] ^= 1;
+                assert_ne!(a, Key::new(&other));
+            }
+        }
+        // A trailing zero byte is part of the key: not equal to the shorter key.
+        assert_ne!(Key::from([1u8, 0]), Key::from([1u8]));
+        assert!(Key::from([1u8]) < Key::from([1u8, 0]));
     }
 }

@@ -280,7 +280,10 @@ impl Manager {
         let answer = match self.primary.lookup_slot(key) {
             (Lookup::Hit, _) => {
                 self.stats.hits += 1;
-                self.requests.get_mut(req).hits.push(key.clone());
+                // ★8's protection is only for promotions, which need a tier.
+                if !self.tiers.is_empty() {
+                    self.requests.get_mut(req).hits.push(key.clone());
+                }
                 Lookup::Hit
             }
             (Lookup::Miss, _) => self.lookup_tiers(req, key),
@@ -308,8 +311,12 @@ impl Manager {
             if tier.health != HealthState::Up || self.cooldowns.active(id, key, self.step) {
                 continue;
             }
-            match tier.index.lookup(key, self.step) {
-                TierAnswer::Present => return self.start_promotion(req, id, key),
+            let (answer, entry) = tier.index.lookup_entry(key, self.step);
+            match answer {
+                TierAnswer::Present => {
+                    let entry = entry.expect("a Present answer names its entry");
+                    return self.start_promotion(req, id, entry, key);
+                }
                 TierAnswer::Busy => busy = true,
                 TierAnswer::Absent => {}
                 TierAnswer::Unknown
@@ -330,7 +337,7 @@ impl Manager {
     }
 
     /// M4: prepare a Promoting slot for `key` from `tier`, never evicting `req`'s own hits.
-    fn start_promotion(&mut self, req: RequestId, tier: TierId, key: &Key) -> Lookup {
+    fn start_promotion(&mut self, req: RequestId, tier: TierId, entry: u32, key: &Key) -> Lookup {
         let step = self.requests.get_mut(req);
         // ★8: protect the blocks this request was answered Hit for in this step, wherever they
         // are now (a hit block evicted by a store and stored again is the same block).
@@ -343,19 +350,19 @@ impl Manager {
         protected.sort_unstable();
         let admitted = self.primary.promote(req, key, &protected);
         self.primary.drain_events(&mut self.events);
-        let Ok((slots, evicted)) = admitted else {
+        let Ok((slot, evicted)) = admitted else {
             self.stats.promotions_refused += 1;
             tracing::debug!(%req, %key, %tier, "promotion refused: no room");
             return Lookup::Miss;
         };
-        self.stats.evictions += evicted.len() as u64;
+        self.stats.evictions += evicted as u64;
         self.stats.promotions_started += 1;
         let t = &mut self.tiers[tier.index()];
         t.stats.hits += 1;
-        let entry = t.index.start_read(key);
+        t.index.start_read(entry);
         let transfer = Transfer {
             key: key.clone(),
-            slot: slots[0],
+            slot,
         };
         let batches = &mut self.requests.by_id.entry(req).or_default().batches;
         let batch = match batches.iter().position(|b| b.tier == tier) {
@@ -376,7 +383,7 @@ impl Manager {
         };
         batch.blocks.push(transfer);
         batch.entries.push(entry);
-        tracing::debug!(%req, %key, %tier, slot = slots[0].0, "promotion started");
+        tracing::debug!(%req, %key, %tier, slot = slot.0, "promotion started");
         Lookup::HitPending
     }
 
@@ -411,8 +418,8 @@ impl Manager {
 
     /// M6–M7: the engine's store of `keys` ended; if ok, cascade them to every tier.
     pub fn complete_store(&mut self, req: RequestId, keys: &[Key], ok: bool) {
-        let mut ready = Vec::new();
         let cascade = ok && !self.closed && !self.tiers.is_empty();
+        let mut ready = Vec::with_capacity(if cascade { keys.len() } else { 0 });
         self.primary
             .complete_store_into(keys, ok, cascade.then_some(&mut ready));
         self.primary.drain_events(&mut self.events);
@@ -455,7 +462,7 @@ impl Manager {
         tier.stores_outstanding += 1;
         tier.stats.cascades_submitted += 1;
         tier.stats.blocks_cascaded += plan.writes.len() as u64;
-        for w in &plan.writes {
+        for w in plan.writes.iter() {
             if !cfg!(kvtier_mutant = "reuse_slot_early") {
                 self.primary.pin_job(w.slot);
             }
@@ -465,7 +472,7 @@ impl Manager {
             id,
             JobKind::Store {
                 request: req,
-                blocks: plan.writes.into(),
+                blocks: plan.writes,
             },
             plan.entries,
         );
@@ -772,7 +779,8 @@ impl Manager {
                 // J1: unpin whether it succeeded or not.
                 let tier = &mut self.tiers[tid.index()];
                 tier.stores_outstanding -= 1;
-                let mut stored = Vec::new();
+                let events = self.config.events;
+                let mut stored = Vec::with_capacity(if events { blocks.len() } else { 0 });
                 for (b, &e) in blocks.iter().zip(&entries) {
                     let ok = ok_of(&b.key);
                     if ok || !cfg!(kvtier_mutant = "keep_pin_on_failure") {
@@ -780,14 +788,16 @@ impl Manager {
                     }
                     tier.index.finish_write(e, ok);
                     if ok {
-                        stored.push(b.key.clone());
+                        if events {
+                            stored.push(b.key.clone());
+                        }
                     } else {
                         tier.stats.write_failures += 1;
                         failed = true;
                     }
                 }
                 self.stats.job_pins -= blocks.len() as u64;
-                if !stored.is_empty() && self.config.events {
+                if !stored.is_empty() {
                     self.events.push(Event {
                         medium: Medium::Tier(tid),
                         kind: EventKind::Stored,

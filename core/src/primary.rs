@@ -38,7 +38,9 @@ pub(crate) enum SlotState {
     Ready,
 }
 
+/// One cache line: the key (inline up to 46 bytes), the state and the pins.
 #[derive(Clone, Debug)]
+#[repr(align(64))]
 struct Slot {
     key: Option<Key>,
     state: SlotState,
@@ -52,9 +54,6 @@ const FREE_SLOT: Slot = Slot {
     job_pins: 0,
     load_pins: 0,
 };
-
-/// The primary's key index is sized once for `num_blocks` keys at most this full (percent).
-const PRIMARY_TABLE_LOAD: usize = 65;
 
 /// One key a request has touched in some way (rules R2–R5).
 #[derive(Clone, Debug)]
@@ -78,11 +77,20 @@ const QUEUED: u8 = 16;
 
 /// The keys one store (or promotion) will allocate, with their entries in the request's
 /// record, and the slots it must not evict.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Offer {
     keys: Vec<Key>,
     entries: Vec<u32>,
     protected: Vec<u32>,
+}
+
+/// Where a store's keys come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Offered {
+    /// The engine's `prepare_store`: filtered (P17), each key looked up.
+    Store,
+    /// A promotion (M4) of one key the caller found absent: no filter, no lookup.
+    Promotion,
 }
 
 /// What one live request accessed (rules R1–R7), until it finishes.
@@ -94,52 +102,70 @@ struct Access {
     index: IdTable,
     /// Indexes into `keys`, in first-seen order.
     seen: Vec<u32>,
+    /// The entry after the last one found or made: calls usually name a request's keys in
+    /// the order they were first entered, so this is tried before the index.
+    cursor: u32,
 }
 
 impl Access {
-    fn find(&self, key: &Key) -> Option<u32> {
-        self.index
-            .find(hash(key), |i| &self.keys[i as usize].key == key)
-    }
-
     fn entry(&mut self, key: &Key) -> &mut AccessKey {
         let i = self.entry_index(key);
         &mut self.keys[i as usize]
     }
 
     fn entry_index(&mut self, key: &Key) -> u32 {
-        match self.find(key) {
-            Some(i) => i,
-            None => {
-                self.keys.push(AccessKey {
-                    key: key.clone(),
-                    position: None,
-                    flags: 0,
-                    slot: NO_SLOT,
-                });
-                let i = (self.keys.len() - 1) as u32;
-                self.index.insert(hash(key), i);
-                i
-            }
+        let next = self.cursor as usize;
+        if self.keys.get(next).is_some_and(|e| &e.key == key) {
+            self.cursor += 1;
+            return next as u32;
         }
+        let i = self.find_or_insert(key);
+        self.cursor = i + 1;
+        i
+    }
+
+    fn find_or_insert(&mut self, key: &Key) -> u32 {
+        let keys = &self.keys;
+        let next = keys.len() as u32;
+        let (i, added) = self.index.find_or_insert(
+            hash(key),
+            |j| &keys[j as usize].key == key,
+            |j| hash(&keys[j as usize].key),
+            || next,
+        );
+        if added {
+            self.keys.push(AccessKey {
+                key: key.clone(),
+                position: None,
+                flags: 0,
+                slot: NO_SLOT,
+            });
+        }
+        i
     }
 
     /// M13: keeps only the keys' positions: no rank, nothing seen, stored or reused.
     fn forget_all_but_positions(&mut self) {
         self.run = None;
+        self.cursor = 0;
         self.seen.clear();
         self.keys.retain(|k| k.position.is_some());
         self.index.clear();
-        for (i, k) in self.keys.iter_mut().enumerate() {
+        for k in &mut self.keys {
             k.flags = 0;
             k.slot = NO_SLOT;
-            self.index.insert(hash(&k.key), i as u32);
+        }
+        let keys = &self.keys;
+        for (i, k) in keys.iter().enumerate() {
+            self.index
+                .insert(hash(&k.key), i as u32, |j| hash(&keys[j as usize].key));
         }
     }
 
     /// Empties the record, keeping its allocations.
     fn clear(&mut self) {
         self.run = None;
+        self.cursor = 0;
         self.keys.clear();
         self.index.clear();
         self.seen.clear();
@@ -208,6 +234,12 @@ pub struct Primary {
     spare: Vec<Access>,
     /// Reused by `request_finished`.
     order_scratch: Vec<u32>,
+    /// Reused by every store and promotion (emptied after each).
+    offer: Offer,
+    /// Reused by `admit`.
+    victims: Vec<u32>,
+    /// Reused by `promote`: the slot and the evicted keys of one promotion.
+    promoted: (Vec<SlotId>, Vec<Key>),
     stores_skipped: u64,
     /// Ready blocks with no pin (vLLM's evictable chunks).
     evictable: u32,
@@ -277,7 +309,7 @@ impl Primary {
         let n = num_blocks as usize;
         Primary {
             slots: alloc::vec![FREE_SLOT; n],
-            index: IdTable::with_capacity(n, PRIMARY_TABLE_LOAD),
+            index: IdTable::with_capacity(2 * n),
             next_fresh: 0,
             free: Vec::new(),
             policy: {
@@ -293,6 +325,9 @@ impl Primary {
             requests: BTreeMap::new(),
             spare: Vec::new(),
             order_scratch: Vec::new(),
+            offer: Offer::default(),
+            victims: Vec::new(),
+            promoted: (Vec::new(), Vec::new()),
             stores_skipped: 0,
             evictable: 0,
             writing: 0,
@@ -560,37 +595,63 @@ impl Primary {
         if let Some(r) = &mut self.reuse {
             r.record_offer(keys); // P17
         }
-        let offer = self.begin_store(req, keys, true);
+        let mut offer = self.begin_store(req, keys, Offered::Store);
         if offer.keys.is_empty() {
+            self.end_offer(offer);
             return Ok(PreparedStore::default()); // P4
         }
         self.observe_allocation(offer.keys.len());
-        let (slots, evicted) = self.admit(req, &offer, SlotState::Pending)?;
+        let mut slots = Vec::with_capacity(offer.keys.len());
+        let mut evicted = Vec::new();
+        let admitted = self.admit(req, &offer, SlotState::Pending, &mut slots, &mut evicted);
+        // The stored keys go to the caller; the offer's other vectors are kept.
+        let keys = core::mem::take(&mut offer.keys);
+        self.end_offer(offer);
+        admitted?;
         tracing::debug!(
-            stored = offer.keys.len(),
+            stored = keys.len(),
             evicted = evicted.len(),
             "primary prepare_store"
         );
         Ok(PreparedStore {
-            keys: offer.keys,
+            keys,
             slots,
             evicted,
         })
     }
 
-    /// M4: admits `key`, found in a secondary tier, as `req`'s store would (R3–R5, L1, A1,
-    /// A7; no reuse filter), in state Promoting, never evicting a slot in `protected` (sorted).
+    /// M4: admits `key`, found in a secondary tier and absent from the primary (the caller
+    /// looked it up), as `req`'s store would (R3–R5, L1, A1, A7; no reuse filter), in state
+    /// Promoting, never evicting a slot in `protected` (sorted).
+    /// Returns the slot and the number of blocks evicted.
     pub(crate) fn promote(
         &mut self,
         req: RequestId,
         key: &Key,
         protected: &[u32],
-    ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
-        let mut offer = self.begin_store(req, core::slice::from_ref(key), false);
-        offer.protected.extend_from_slice(protected);
-        offer.protected.sort_unstable();
+    ) -> Result<(SlotId, usize), Error> {
+        let mut offer = self.begin_store(req, core::slice::from_ref(key), Offered::Promotion);
+        if !protected.is_empty() {
+            offer.protected.extend_from_slice(protected);
+            offer.protected.sort_unstable();
+        }
         self.observe_allocation(1);
-        self.admit(req, &offer, SlotState::Promoting)
+        let (mut slots, mut evicted) = core::mem::take(&mut self.promoted);
+        let admitted = self.admit(req, &offer, SlotState::Promoting, &mut slots, &mut evicted);
+        self.end_offer(offer);
+        let out = admitted.map(|()| (slots[0], evicted.len()));
+        slots.clear();
+        evicted.clear();
+        self.promoted = (slots, evicted);
+        out
+    }
+
+    /// Empties `offer` and keeps it for the next store.
+    fn end_offer(&mut self, mut offer: Offer) {
+        offer.keys.clear();
+        offer.entries.clear();
+        offer.protected.clear();
+        self.offer = offer;
     }
 
     /// The common part of a store and a promotion, in one pass over the offer: P17's filter
@@ -598,21 +659,23 @@ impl Primary {
     /// Ready and to-be-stored keys recorded in offer order, Ready ones as reuses), R5 (store
     /// misses to the policy, last to first) and L4 (the request's run, newly seen resident
     /// keys ranked).
-    fn begin_store(&mut self, req: RequestId, keys: &[Key], filter: bool) -> Offer {
+    fn begin_store(&mut self, req: RequestId, keys: &[Key], offered: Offered) -> Offer {
+        let filter = offered == Offered::Store;
         let access = Self::access(&mut self.requests, &mut self.spare, req);
         let first_seen = access.seen.len();
-        let mut offer = Offer {
-            keys: Vec::with_capacity(keys.len()),
-            entries: Vec::with_capacity(keys.len()),
-            protected: Vec::new(),
-        };
+        let mut offer = core::mem::take(&mut self.offer);
+        offer.keys.reserve(keys.len());
+        offer.entries.reserve(keys.len());
         // Newly seen Ready keys with a position: (slot, position) for L4.
         let mut ranked = Vec::new();
         for key in keys {
             let slots = &self.slots;
-            let found = self
-                .index
-                .find(hash(key), |s| slots[s as usize].key.as_ref() == Some(key));
+            let found = match offered {
+                Offered::Store => self
+                    .index
+                    .find(hash(key), |s| slots[s as usize].key.as_ref() == Some(key)),
+                Offered::Promotion => None,
+            };
             let ready = match found {
                 Some(s) => {
                     offer.protected.push(s);
@@ -650,17 +713,14 @@ impl Primary {
                 offer.entries.push(i);
             }
         }
-        let mut missed = Vec::with_capacity(offer.entries.len());
-        for &i in &offer.entries {
+        // R5, A7: the store misses to the policy, last to first (the entries are distinct).
+        for &i in offer.entries.iter().rev() {
             let e = &mut access.keys[i as usize];
             e.flags &= !QUEUED;
             if e.flags & MISSED == 0 {
                 e.flags |= MISSED;
-                missed.push(i);
+                self.policy.store_miss(&e.key);
             }
-        }
-        for &i in missed.iter().rev() {
-            self.policy.store_miss(&access.keys[i as usize].key); // R5, A7
         }
         if access.seen.len() > first_seen && access.run.is_none() {
             access.run = self.policy.open_run(); // L4: the request's rank
@@ -679,16 +739,21 @@ impl Primary {
     /// Makes room for `offer.keys` (all absent, distinct) without evicting a slot in
     /// `offer.protected` (sorted), then inserts them in `state` as `req`'s (L1). All or
     /// nothing.
+    ///
+    /// The slots go to `slots` and the evicted keys to `evicted`, both empty on entry.
     fn admit(
         &mut self,
         req: RequestId,
         offer: &Offer,
         state: SlotState,
-    ) -> Result<(Vec<SlotId>, Vec<Key>), Error> {
+        slots: &mut Vec<SlotId>,
+        evicted: &mut Vec<Key>,
+    ) -> Result<(), Error> {
         let keys = &offer.keys;
         let protected = &offer.protected;
         let needed = keys.len().saturating_sub(self.free_slots());
-        let mut victims = Vec::with_capacity(needed);
+        let mut victims = core::mem::take(&mut self.victims);
+        victims.clear();
         if needed > 0 {
             let slots = &self.slots;
             self.policy.select(
@@ -703,19 +768,18 @@ impl Primary {
                 &mut victims,
             );
             if victims.len() < needed {
-                return Err(Error::NoRoom {
-                    needed,
-                    available: victims.len(),
-                }); // P7
+                let available = victims.len();
+                self.victims = victims;
+                return Err(Error::NoRoom { needed, available }); // P7
             }
         }
         // P6: free the victims in order, one Removed event.
-        let mut evicted = Vec::with_capacity(victims.len());
+        evicted.reserve(victims.len());
         self.evictable -= victims.len() as u32;
         self.writing += keys.len() as u32;
         for &v in &victims {
             let key = self.release(v);
-            self.policy.evict(v, key.clone());
+            self.policy.evict(v, &key);
             evicted.push(key);
         }
         if !evicted.is_empty() {
@@ -724,16 +788,28 @@ impl Primary {
                 self.emit(EventKind::Removed, evicted.clone());
             }
         }
-        let slots: Vec<SlotId> = keys.iter().map(|_| SlotId(self.allocate())).collect();
+        self.victims = victims;
+        for _ in keys {
+            let s = self.allocate();
+            slots.push(SlotId(s));
+        }
         let access = self
             .requests
             .get_mut(&req)
             .expect("begin_store made the record");
-        for ((key, &i), &SlotId(s)) in keys.iter().zip(&offer.entries).zip(&slots) {
+        for ((key, &i), &SlotId(s)) in keys.iter().zip(&offer.entries).zip(slots.iter()) {
             let slot = &mut self.slots[s as usize];
             slot.key = Some(key.clone());
             slot.state = state;
-            self.index.insert(hash(key), s);
+            let slots = &self.slots;
+            self.index.insert(hash(key), s, |id| {
+                hash(
+                    slots[id as usize]
+                        .key
+                        .as_ref()
+                        .expect("indexed slot holds a key"),
+                )
+            });
             // L1: ranked in the request's run when the request gave the key a position.
             let e = &mut access.keys[i as usize];
             e.flags |= INSERTED;
@@ -756,7 +832,7 @@ impl Primary {
                 None => self.policy.insert(s, key),
             }
         }
-        Ok((slots, evicted))
+        Ok(())
     }
 
     /// Slot allocation: fresh slots ascending first, then last-freed-first.
@@ -772,8 +848,11 @@ impl Primary {
     /// Empties slot `s` and puts it on the free stack; returns its key. The caller updates the
     /// policy.
     fn release(&mut self, s: u32) -> Key {
-        let slot = core::mem::replace(&mut self.slots[s as usize], FREE_SLOT);
-        let key = slot.key.expect("released slot is occupied");
+        let slot = &mut self.slots[s as usize];
+        let key = slot.key.take().expect("released slot is occupied");
+        slot.state = SlotState::Free;
+        slot.job_pins = 0;
+        slot.load_pins = 0;
         self.index.remove(hash(&key), s);
         self.free.push(s);
         key
@@ -1248,7 +1327,7 @@ mod tests {
     #[test]
     fn detects_a_resident_ghost() {
         let mut p = full();
-        p.policy.evict(0, Key::from([0u8]));
+        p.policy.evict(0, &Key::from([0u8]));
         p.policy.insert(0, &Key::from([9u8]));
         assert_eq!(violated(&p), "I7");
     }

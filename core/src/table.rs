@@ -1,25 +1,15 @@
-//! `IdTable`: a deterministic open-addressing index from key hashes to dense ids.
+//! `IdTable`: a deterministic hash index from key hashes to dense ids.
 //!
-//! The keys live with their owners (the slot table, a tier's entries, ARC's ghosts); the table
-//! keeps a 32-bit tag and the id, and asks its owner to compare keys on a tag match. Linear
-//! probing with backward-shift deletion: no tombstones, so lookups stay short under churn.
-//! The hash is fixed (no per-process seed), so the same operations give the same table on
-//! every run; behaviour never depends on the table's iteration order (it has none).
-
-use alloc::vec::Vec;
+//! The keys live with their owners (the slot table, a tier's entries, ARC's ghosts, a request's
+//! record); the table keeps only the ids, and asks its owner to compare keys, and to hash one
+//! again when the table grows. It is a SwissTable (`hashbrown`'s `HashTable`): a control byte
+//! per bucket holds 7 bits of the hash, so a lookup compares a group of control bytes at once
+//! and asks the owner only on a 7-bit match (1 in 128 for a different key), and a miss touches
+//! nothing but the compact control bytes. The hash is the key's fixed hash (no per-process
+//! seed), so the same operations give the same table on every run; behaviour never depends on
+//! the table's order (only invariant checks iterate).
 
 use crate::key::Key;
-
-const EMPTY: u32 = u32::MAX;
-const MIN_BUCKETS: usize = 16;
-
-#[derive(Clone, Copy, Debug)]
-struct Bucket {
-    tag: u32,
-    id: u32,
-}
-
-const FREE: Bucket = Bucket { tag: 0, id: EMPTY };
 
 /// The 64-bit hash of a key (carried by the key, computed once).
 #[inline]
@@ -27,175 +17,77 @@ pub(crate) fn hash(key: &Key) -> u64 {
     key.hash64()
 }
 
-fn tag_of(hash: u64) -> u32 {
-    (hash ^ (hash >> 32)) as u32
-}
-
-/// Maps key hashes to ids; the owner resolves tag collisions by comparing keys.
-#[derive(Clone, Debug)]
+/// Maps key hashes to ids; the owner compares keys and rehashes ids.
+#[derive(Clone, Debug, Default)]
 pub(crate) struct IdTable {
-    buckets: Vec<Bucket>,
-    len: usize,
-    /// Grow when more than this share (in percent) of the buckets would be used.
-    max_load: usize,
-}
-
-impl Default for IdTable {
-    fn default() -> Self {
-        IdTable {
-            buckets: Vec::new(),
-            len: 0,
-            max_load: 50,
-        }
-    }
+    table: hashbrown::HashTable<u32>,
 }
 
 impl IdTable {
-    /// A table that holds `n` ids without growing, at most `max_load` percent full.
-    pub(crate) fn with_capacity(n: usize, max_load: usize) -> Self {
-        let buckets = (n * 100).div_ceil(max_load).max(MIN_BUCKETS);
+    /// A table that holds `n` ids without growing.
+    pub(crate) fn with_capacity(n: usize) -> Self {
         IdTable {
-            buckets: alloc::vec![FREE; buckets],
-            len: 0,
-            max_load,
-        }
-    }
-
-    /// An empty table that packs ids up to 80 % of its buckets: less memory at the cost of
-    /// longer probes (ARC's ghosts, which only steer `p`).
-    pub(crate) fn dense() -> Self {
-        IdTable {
-            max_load: 80,
-            ..IdTable::default()
+            table: hashbrown::HashTable::with_capacity(n),
         }
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.table.len()
     }
 
     /// Removes every id, keeping the buckets.
     pub(crate) fn clear(&mut self) {
-        self.buckets.fill(FREE);
-        self.len = 0;
-    }
-
-    /// The bucket where a tag's probe run starts: the tag scaled to the bucket count (no
-    /// power-of-two rounding, so a table can be sized to its load exactly).
-    #[inline]
-    fn home(&self, tag: u32) -> usize {
-        ((u64::from(tag) * self.buckets.len() as u64) >> 32) as usize
-    }
-
-    #[inline]
-    fn next(&self, i: usize) -> usize {
-        if i + 1 == self.buckets.len() {
-            0
-        } else {
-            i + 1
-        }
-    }
-
-    /// How far bucket `j` is past `from`, going forward and wrapping.
-    #[inline]
-    fn distance(&self, from: usize, j: usize) -> usize {
-        if j >= from {
-            j - from
-        } else {
-            j + self.buckets.len() - from
-        }
+        self.table.clear();
     }
 
     /// The id whose key has `hash` and for which `eq` answers true.
     #[inline]
     pub(crate) fn find(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
-        if self.len == 0 {
-            return None;
-        }
-        let tag = tag_of(hash);
-        let mut i = self.home(tag);
-        loop {
-            let b = self.buckets[i];
-            if b.id == EMPTY {
-                return None;
-            }
-            if b.tag == tag && eq(b.id) {
-                return Some(b.id);
-            }
-            i = self.next(i);
-        }
+        self.table.find(hash, |&id| eq(id)).copied()
     }
 
-    /// Adds `id` under `hash`; the caller knows its key is not in the table.
-    pub(crate) fn insert(&mut self, hash: u64, id: u32) {
-        debug_assert_ne!(id, EMPTY);
-        if (self.len + 1) * 100 > self.buckets.len() * self.max_load {
-            self.grow();
-        }
-        self.place(Bucket {
-            tag: tag_of(hash),
-            id,
-        });
-        self.len += 1;
+    /// Adds `id` under `hash`; the caller knows its key is not in the table. `rehash` gives
+    /// the hash of an id already in the table (asked only when the table grows).
+    #[inline]
+    pub(crate) fn insert(&mut self, hash: u64, id: u32, rehash: impl Fn(u32) -> u64) {
+        self.table.insert_unique(hash, id, |&id| rehash(id));
     }
 
-    fn place(&mut self, b: Bucket) {
-        let mut i = self.home(b.tag);
-        while self.buckets[i].id != EMPTY {
-            i = self.next(i);
-        }
-        self.buckets[i] = b;
-    }
-
-    fn grow(&mut self) {
-        let size = (self.buckets.len() * 2).max(MIN_BUCKETS);
-        let old = core::mem::replace(&mut self.buckets, alloc::vec![FREE; size]);
-        for b in old {
-            if b.id != EMPTY {
-                self.place(b);
+    /// The id for which `eq` answers true under `hash`, or else `new_id()` added under it, with
+    /// whether it was added: one probe for both. `rehash` as for [`Self::insert`].
+    #[inline]
+    pub(crate) fn find_or_insert(
+        &mut self,
+        hash: u64,
+        mut eq: impl FnMut(u32) -> bool,
+        rehash: impl Fn(u32) -> u64,
+        new_id: impl FnOnce() -> u32,
+    ) -> (u32, bool) {
+        match self.table.entry(hash, |&id| eq(id), |&id| rehash(id)) {
+            hashbrown::hash_table::Entry::Occupied(e) => (*e.get(), false),
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                let id = new_id();
+                e.insert(id);
+                (id, true)
             }
         }
     }
 
     /// Removes `id`, which was inserted under `hash`. Returns whether it was there.
+    #[inline]
     pub(crate) fn remove(&mut self, hash: u64, id: u32) -> bool {
-        if self.len == 0 {
-            return false;
+        match self.table.find_entry(hash, |&b| b == id) {
+            Ok(entry) => {
+                entry.remove();
+                true
+            }
+            Err(_) => false,
         }
-        let mut hole = self.home(tag_of(hash));
-        loop {
-            let b = self.buckets[hole];
-            if b.id == EMPTY {
-                return false;
-            }
-            if b.id == id {
-                break;
-            }
-            hole = self.next(hole);
-        }
-        // Backward shift: pull later members of the probe run into the hole when the hole
-        // lies between their home bucket and where they sit.
-        let mut j = hole;
-        loop {
-            j = self.next(j);
-            let b = self.buckets[j];
-            if b.id == EMPTY {
-                break;
-            }
-            let home = self.home(b.tag);
-            if self.distance(home, j) >= self.distance(hole, j) {
-                self.buckets[hole] = b;
-                hole = j;
-            }
-        }
-        self.buckets[hole] = FREE;
-        self.len -= 1;
-        true
     }
 
     /// Every id in the table (for invariant checks only: the order means nothing).
     pub(crate) fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.buckets.iter().filter(|b| b.id != EMPTY).map(|b| b.id)
+        self.table.iter().copied()
     }
 }
 
@@ -204,13 +96,13 @@ mod tests {
     use super::*;
     use alloc::collections::BTreeMap;
 
-    /// The table against a BTreeMap under random inserts and removes, with colliding tags.
+    /// The table against a BTreeMap under random inserts and removes, with colliding hashes,
+    /// through growth.
     #[test]
     fn behaves_as_a_map() {
         behaves_as_a_map_with(IdTable::default());
-        behaves_as_a_map_with(IdTable::dense());
-        behaves_as_a_map_with(IdTable::with_capacity(300, 50));
-        behaves_as_a_map_with(IdTable::with_capacity(300, 80));
+        behaves_as_a_map_with(IdTable::with_capacity(300));
+        behaves_as_a_map_with(IdTable::with_capacity(14));
     }
 
     /// A deterministic stream of pseudo-random numbers (xorshift64).
@@ -223,45 +115,12 @@ mod tests {
         })
     }
 
-    /// Runs that wrap around the end of a nearly full table, with homes in its last buckets:
-    /// every deletion's backward shift measures distances across the wrap.
-    #[test]
-    fn wrapped_runs_survive_deletions() {
-        let mut t = IdTable::with_capacity(14, 90);
-        let n = t.buckets.len();
-        // Hashes whose probe runs start in the last three buckets.
-        let homes: alloc::vec::Vec<u64> = (1u64..)
-            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            .filter(|&h| t.home(tag_of(h)) >= n - 3)
-            .take(3)
-            .collect();
-        let mut reference: BTreeMap<u32, u64> = BTreeMap::new();
-        for x in xorshift(0x0bad_5eed_1234_5678).take(5_000) {
-            let id = (x % 14) as u32;
-            match reference.get(&id).copied() {
-                Some(h) => {
-                    assert!(t.remove(h, id));
-                    reference.remove(&id);
-                }
-                None => {
-                    let h = homes[(x >> 8) as usize % homes.len()];
-                    t.insert(h, id);
-                    reference.insert(id, h);
-                }
-            }
-            for (&id, &h) in &reference {
-                assert_eq!(t.find(h, |c| c == id), Some(id), "id {id} lost");
-            }
-        }
-        assert_eq!(t.buckets.len(), n, "sized once");
-    }
-
     fn behaves_as_a_map_with(mut t: IdTable) {
         let mut reference: BTreeMap<u32, u64> = BTreeMap::new();
         for x in xorshift(0x1234_5678_9abc_def1).take(20_000) {
             let id = (x % 600) as u32;
-            // Few distinct hashes, spread over the whole range: many equal tags, long probe
-            // runs, and runs that wrap around the end of the table.
+            // Few distinct hashes, spread over the whole range: many ids share one hash, so
+            // the owner's `eq` decides, and removals leave deleted buckets behind.
             let h = ((x >> 20) % 97).wrapping_mul(0x9E37_79B9_7F4A_7C15);
             match reference.get(&id).copied() {
                 Some(old) if x & 1 == 0 => {
@@ -270,7 +129,7 @@ mod tests {
                 }
                 Some(_) => {}
                 None => {
-                    t.insert(h, id);
+                    t.insert(h, id, |other| reference[&other]);
                     reference.insert(id, h);
                 }
             }
@@ -278,7 +137,18 @@ mod tests {
         }
         for (&id, &h) in &reference {
             assert_eq!(t.find(h, |c| c == id), Some(id));
+            let found = t.find_or_insert(h, |c| c == id, |c| reference[&c], || unreachable!());
+            assert_eq!(found, (id, false));
         }
+        let fresh = 1_000_003u64.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let before = t.len();
+        assert_eq!(
+            t.find_or_insert(fresh, |_| false, |c| reference[&c], || 600),
+            (600, true)
+        );
+        assert_eq!(t.len(), before + 1);
+        assert_eq!(t.find(fresh, |c| c == 600), Some(600));
+        assert!(t.remove(fresh, 600));
         let mut ids: alloc::vec::Vec<u32> = t.ids().collect();
         ids.sort_unstable();
         assert_eq!(

@@ -7,6 +7,7 @@
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::format;
 use alloc::string::String;
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 
 use crate::config::{TierConfig, TierKind};
@@ -50,8 +51,8 @@ struct Entry {
 /// How `plan_store` treated the blocks it was offered.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct StorePlan {
-    /// Blocks to write, in offered order; now Writing.
-    pub(crate) writes: Vec<Transfer>,
+    /// Blocks to write, in offered order; now Writing (shared with the job that writes them).
+    pub(crate) writes: Arc<[Transfer]>,
     /// Their entry ids, in the same order.
     pub(crate) entries: Vec<u32>,
     /// Blocks evicted for room; the IO layer deletes them.
@@ -162,12 +163,22 @@ impl TierIndex {
 
     /// T1–T4.
     pub fn lookup(&self, key: &Key, step: u64) -> TierAnswer {
+        self.lookup_entry(key, step).0
+    }
+
+    /// T1–T4, with the entry's id when the answer is Present (for [`Self::start_read`]).
+    pub(crate) fn lookup_entry(&self, key: &Key, step: u64) -> (TierAnswer, Option<u32>) {
         if let Some(id) = self.find(key) {
             return match self.entry(id).state {
-                EntryState::Present { .. } => TierAnswer::Present,
-                EntryState::Writing => TierAnswer::Busy,
+                EntryState::Present { .. } => (TierAnswer::Present, Some(id)),
+                EntryState::Writing => (TierAnswer::Busy, None),
             };
         }
+        (self.lookup_absent(key, step), None)
+    }
+
+    /// T3–T4: the answer for a key the index does not hold.
+    fn lookup_absent(&self, key: &Key, step: u64) -> TierAnswer {
         if self.probing.contains_key(key) {
             return TierAnswer::Busy;
         }
@@ -190,9 +201,13 @@ impl TierIndex {
             }
         };
         self.policy.insert(id, &key);
-        self.index.insert(hash(&key), id);
         self.known_absent.remove(&key);
+        let h = hash(&key);
         self.entries[id as usize] = Some(Entry { key, state });
+        let entries = &self.entries;
+        self.index.insert(h, id, |other| {
+            hash(&entries[other as usize].as_ref().expect("indexed entry").key)
+        });
         id
     }
 
@@ -208,7 +223,7 @@ impl TierIndex {
             .expect("mapped entry exists");
         self.index.remove(hash(&entry.key), id);
         if evicted {
-            self.policy.evict(id, entry.key.clone());
+            self.policy.evict(id, &entry.key);
         } else {
             self.policy.remove(id);
         }
@@ -222,7 +237,7 @@ impl TierIndex {
         if n == 0 {
             return Vec::new();
         }
-        let mut victims = Vec::new();
+        let mut victims = Vec::with_capacity(n);
         let entries = &self.entries;
         self.policy.select(
             n,
@@ -260,7 +275,7 @@ impl TierIndex {
     pub(crate) fn plan_store(&mut self, blocks: &[Transfer], events: &mut Vec<Event>) -> StorePlan {
         let mut plan = StorePlan::default();
         let mut protected = Vec::new();
-        let mut to_write = Vec::new();
+        let mut to_write = Vec::with_capacity(blocks.len());
         for b in blocks {
             match self.find(&b.key) {
                 Some(id) => {
@@ -275,11 +290,13 @@ impl TierIndex {
         plan.evicted = self.evict(needed, &protected, events);
         let writable = to_write.len().min(self.room());
         plan.full = to_write.len() - writable;
-        for b in to_write.into_iter().take(writable) {
+        plan.entries.reserve_exact(writable);
+        for b in &to_write[..writable] {
             plan.entries
                 .push(self.insert(b.key.clone(), EntryState::Writing));
-            plan.writes.push(b.clone());
         }
+        // One allocation, of the exact size.
+        plan.writes = to_write[..writable].iter().map(|&b| b.clone()).collect();
         tracing::debug!(
             tier = self.id.0,
             writes = plan.writes.len(),
@@ -300,14 +317,12 @@ impl TierIndex {
         }
     }
 
-    /// T10: a promotion starts reading `key`; returns its entry id.
-    pub(crate) fn start_read(&mut self, key: &Key) -> u32 {
-        let id = self.find(key).expect("T10: a read block is indexed");
+    /// T10: a promotion starts reading entry `id` (Present, from [`Self::lookup_entry`]).
+    pub(crate) fn start_read(&mut self, id: u32) {
         match &mut self.entry_mut(id).state {
             EntryState::Present { readers } => *readers += 1,
             EntryState::Writing => unreachable!("T10: only Present blocks are read"),
         }
-        id
     }
 
     /// T11: a read ended. A failed read drops the block; returns the key to delete when the
@@ -575,7 +590,7 @@ mod tests {
         let mut t = index(PolicyKind::Arc);
         // Entry 0 (key 0) stays in the index while the policy turns key 0 into a ghost and
         // tracks id 0 again (under another key): a resident that is also a ghost.
-        t.policy.evict(0, Key::from([0u8]));
+        t.policy.evict(0, &Key::from([0u8]));
         t.policy.insert(0, &Key::from([9u8]));
         assert_eq!(violated(&t), "I7");
     }

@@ -51,7 +51,8 @@ impl Ghosts {
                 (self.hashes.len() - 1) as u32
             }
         };
-        self.by_hash.insert(h, id);
+        let hashes = &self.hashes;
+        self.by_hash.insert(h, id, |g| hashes[g as usize]);
         self.lists.push_back(list, id);
     }
 
@@ -86,7 +87,7 @@ impl ArcPolicy {
                 // that much up front, up to a million, rather than let doubling overshoot.
                 hashes: Vec::with_capacity(ghost_reserve),
                 free: Vec::new(),
-                by_hash: IdTable::dense(),
+                by_hash: IdTable::default(),
                 lists: Lists::with_capacity(ghost_reserve),
             },
         }
@@ -214,13 +215,13 @@ impl EvictionPolicy for ArcPolicy {
             }
         }
     }
-    fn evict(&mut self, id: u32, key: Key) {
+    fn evict(&mut self, id: u32, key: &Key) {
         let ghost_list = match self.resident.remove(id) {
             Some(T1) => B1,
             Some(_) => B2,
             None => return,
         };
-        self.ghosts.push(ghost_list, hash(&key));
+        self.ghosts.push(ghost_list, hash(key));
         self.ghosts.trim(ghost_list, self.capacity);
     }
 
@@ -301,7 +302,7 @@ mod tests {
         let mut a = ArcPolicy::new(2);
         a.insert(0, &Key::from([0u8]));
         a.insert(1, &Key::from([1u8]));
-        a.evict(0, Key::from([0u8]));
+        a.evict(0, &Key::from([0u8]));
         a.check().unwrap();
         a
     }
@@ -337,7 +338,7 @@ mod tests {
             a.touch(&k(i), Some((u32::from(i), true))); // A2: to T2
         }
         for i in [5, 6, 7, 0, 1] {
-            a.evict(u32::from(i), k(i));
+            a.evict(u32::from(i), &k(i));
         }
         assert_eq!(a.list_lens(), [0, 3, 3, 2]);
         a
@@ -411,7 +412,7 @@ mod tests {
         let mut a = ArcPolicy::new(2);
         for i in 0..5 {
             a.insert(u32::from(i), &k(i));
-            a.evict(u32::from(i), k(i));
+            a.evict(u32::from(i), &k(i));
         }
         assert_eq!(a.list_lens(), [0, 0, 2, 0]);
         assert!(a.ghosts.find(hash(&k(4))).is_some() && a.ghosts.find(hash(&k(3))).is_some());

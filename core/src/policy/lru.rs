@@ -110,7 +110,6 @@ impl LruPolicy {
     fn link_in_run(&mut self, id: u32, run: Run, position: u64, key_of: &dyn Fn(u32) -> Key) {
         let neg = -(position.min(i64::MAX as u64) as i64);
         self.set_rank(id, (run.rank, neg));
-        let key = key_of(id);
         let mut prev = run.sentinel;
         while let Some(next) = self.order.next(prev) {
             let (r, other) = self.ranks[next as usize];
@@ -118,7 +117,8 @@ impl LruPolicy {
             if next >= self.first_sentinel || r != run.rank {
                 break;
             }
-            if other > neg || (other == neg && key_of(next) > key) {
+            // Equal positions (rare) fall back to the key bytes.
+            if other > neg || (other == neg && key_of(next) > key_of(id)) {
                 break;
             }
             prev = next;
@@ -213,7 +213,7 @@ impl EvictionPolicy for LruPolicy {
         }
     }
 
-    fn evict(&mut self, id: u32, _key: Key) {
+    fn evict(&mut self, id: u32, _key: &Key) {
         self.remove(id);
     }
 

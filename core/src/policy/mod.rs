@@ -86,7 +86,7 @@ pub trait EvictionPolicy {
     /// is unchanged either way.
     fn select(&self, n: usize, eligible: &mut dyn FnMut(u32) -> bool, out: &mut Vec<u32>);
     /// A victim chosen by `select` has been evicted (rule A6: ARC keeps a ghost).
-    fn evict(&mut self, id: u32, key: Key);
+    fn evict(&mut self, id: u32, key: &Key);
     /// Whether `id` is tracked as resident.
     fn contains(&self, id: u32) -> bool;
     /// Number of resident entries tracked.
@@ -188,7 +188,7 @@ impl EvictionPolicy for Policy {
     fn select(&self, n: usize, eligible: &mut dyn FnMut(u32) -> bool, out: &mut Vec<u32>) {
         self.inner().select(n, eligible, out)
     }
-    fn evict(&mut self, id: u32, key: Key) {
+    fn evict(&mut self, id: u32, key: &Key) {
         self.inner_mut().evict(id, key)
     }
     fn contains(&self, id: u32) -> bool {
