@@ -99,6 +99,14 @@ impl Key {
     }
 }
 
+/// Appends a clone of `key` to `keys`, made in place. A `push` of `key.clone()` builds the
+/// clone on the stack with narrow stores and copies it with wide loads, which the CPU cannot
+/// forward from those stores: on the store path that stall cost more than the copy itself.
+#[inline]
+pub(crate) fn push_clone(keys: &mut Vec<Key>, key: &Key) {
+    keys.resize_with(keys.len() + 1, || key.clone());
+}
+
 /// A fixed 64-bit hash of `bytes`: constant multipliers, no seed.
 fn hash_bytes(bytes: &[u8]) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;

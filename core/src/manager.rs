@@ -11,7 +11,7 @@ use crate::error::{Error, Violation, ensure};
 use crate::event::{
     Effect, Event, EventKind, Job, JobKind, JobResult, Lookup, Medium, Outcome, Transfer,
 };
-use crate::key::{JobId, Key, RequestId, SlotId, TierId};
+use crate::key::{JobId, Key, RequestId, SlotId, TierId, push_clone};
 use crate::primary::{BlockState, PreparedStore, Primary};
 use crate::stats::{Health, Stats, TierStats};
 use crate::tier::{TierAnswer, TierIndex};
@@ -282,7 +282,7 @@ impl Manager {
                 self.stats.hits += 1;
                 // ★8's protection is only for promotions, which need a tier.
                 if !self.tiers.is_empty() {
-                    self.requests.get_mut(req).hits.push(key.clone());
+                    push_clone(&mut self.requests.get_mut(req).hits, key);
                 }
                 Lookup::Hit
             }

@@ -10,7 +10,7 @@ use alloc::vec::Vec;
 use crate::config::{PolicyKind, ReuseFilter};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{Event, EventKind, Lookup, Medium, Transfer};
-use crate::key::{Key, RequestId, SlotId};
+use crate::key::{Key, RequestId, SlotId, push_clone};
 use crate::policy::{EvictionPolicy, Policy, Run, Use};
 use crate::table::{IdTable, hash};
 
@@ -134,7 +134,8 @@ impl Access {
             || next,
         );
         if added {
-            self.keys.push(AccessKey {
+            // In place (see `push_clone`).
+            self.keys.resize_with(i as usize + 1, || AccessKey {
                 key: key.clone(),
                 position: None,
                 flags: 0,
@@ -709,7 +710,7 @@ impl Primary {
                 }
             } else if e.flags & QUEUED == 0 {
                 e.flags |= QUEUED; // each key once (P5)
-                offer.keys.push(key.clone());
+                push_clone(&mut offer.keys, key);
                 offer.entries.push(i);
             }
         }
@@ -778,9 +779,9 @@ impl Primary {
         self.evictable -= victims.len() as u32;
         self.writing += keys.len() as u32;
         for &v in &victims {
-            let key = self.release(v);
-            self.policy.evict(v, &key);
-            evicted.push(key);
+            let at = evicted.len();
+            evicted.resize_with(at + 1, || self.release(v)); // in place (see `push_clone`)
+            self.policy.evict(v, &evicted[at]);
         }
         if !evicted.is_empty() {
             tracing::debug!(count = evicted.len(), "primary evict");
@@ -799,7 +800,8 @@ impl Primary {
             .expect("begin_store made the record");
         for ((key, &i), &SlotId(s)) in keys.iter().zip(&offer.entries).zip(slots.iter()) {
             let slot = &mut self.slots[s as usize];
-            slot.key = Some(key.clone());
+            debug_assert!(slot.key.is_none(), "allocated slots are free");
+            slot.key.get_or_insert_with(|| key.clone()); // in place (see `push_clone`)
             slot.state = state;
             let slots = &self.slots;
             self.index.insert(hash(key), s, |id| {
@@ -886,10 +888,11 @@ impl Primary {
                 self.evictable += 1;
                 count += 1;
                 if self.record_events {
-                    stored.push(key.clone());
+                    push_clone(&mut stored, key);
                 }
                 if let Some(out) = out.as_deref_mut() {
-                    out.push(Transfer {
+                    // In place (see `push_clone`).
+                    out.resize_with(out.len() + 1, || Transfer {
                         key: key.clone(),
                         slot: SlotId(s),
                     });
@@ -898,7 +901,7 @@ impl Primary {
                 self.release(s); // P9
                 self.policy.remove(s);
                 if self.record_events {
-                    discarded.push(key.clone());
+                    push_clone(&mut discarded, key);
                 }
             }
         }

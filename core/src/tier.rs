@@ -192,7 +192,7 @@ impl TierIndex {
     }
 
     /// Inserts `key` in `state`; the caller made room. Returns its entry id.
-    fn insert(&mut self, key: Key, state: EntryState) -> u32 {
+    fn insert(&mut self, key: &Key, state: EntryState) -> u32 {
         let id = match self.free_ids.pop() {
             Some(id) => id,
             None => {
@@ -200,12 +200,17 @@ impl TierIndex {
                 (self.entries.len() - 1) as u32
             }
         };
-        self.policy.insert(id, &key);
-        self.known_absent.remove(&key);
-        let h = hash(&key);
-        self.entries[id as usize] = Some(Entry { key, state });
+        self.policy.insert(id, key);
+        self.known_absent.remove(key);
+        let entry = &mut self.entries[id as usize];
+        debug_assert!(entry.is_none(), "a free entry id");
+        // In place (see `push_clone`).
+        entry.get_or_insert_with(|| Entry {
+            key: key.clone(),
+            state,
+        });
         let entries = &self.entries;
-        self.index.insert(h, id, |other| {
+        self.index.insert(hash(key), id, |other| {
             hash(&entries[other as usize].as_ref().expect("indexed entry").key)
         });
         id
@@ -292,8 +297,7 @@ impl TierIndex {
         plan.full = to_write.len() - writable;
         plan.entries.reserve_exact(writable);
         for b in &to_write[..writable] {
-            plan.entries
-                .push(self.insert(b.key.clone(), EntryState::Writing));
+            plan.entries.push(self.insert(&b.key, EntryState::Writing));
         }
         // One allocation, of the exact size.
         plan.writes = to_write[..writable].iter().map(|&b| b.clone()).collect();
@@ -362,7 +366,7 @@ impl TierIndex {
             Some(true) => {
                 let evicted = self.evict(1usize.saturating_sub(self.room()), &[], events);
                 if self.room() > 0 {
-                    self.insert(key.clone(), EntryState::Present { readers: 0 });
+                    self.insert(key, EntryState::Present { readers: 0 });
                 }
                 evicted
             }
@@ -422,7 +426,7 @@ impl TierIndex {
                 rejected.push(key);
                 continue;
             }
-            self.insert(key, EntryState::Present { readers: 0 });
+            self.insert(&key, EntryState::Present { readers: 0 });
         }
         rejected
     }
