@@ -359,6 +359,7 @@ impl Manager {
         self.stats.promotions_started += 1;
         let t = &mut self.tiers[tier.index()];
         t.stats.hits += 1;
+        debug_assert_eq!(t.index.key_of(entry), Some(key), "the looked-up entry");
         t.index.start_read(entry);
         let transfer = Transfer {
             key: key.clone(),

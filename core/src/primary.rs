@@ -38,7 +38,8 @@ pub(crate) enum SlotState {
     Ready,
 }
 
-/// One cache line: the key (inline up to 46 bytes), the state and the pins.
+/// One cache line: the key (inline up to 46 bytes), the state and the pins. (Twice the 32
+/// bytes the fields would need with a shared key; the key's own allocation is gone.)
 #[derive(Clone, Debug)]
 #[repr(align(64))]
 struct Slot {
@@ -47,6 +48,8 @@ struct Slot {
     job_pins: u16,
     load_pins: u32,
 }
+
+const _: () = assert!(core::mem::size_of::<Slot>() == 64);
 
 const FREE_SLOT: Slot = Slot {
     key: None,
@@ -310,6 +313,8 @@ impl Primary {
         let n = num_blocks as usize;
         Primary {
             slots: alloc::vec![FREE_SLOT; n],
+            // At most half full: hashbrown then clears the deleted buckets that churn leaves by
+            // rebuilding in place, and never reallocates the index.
             index: IdTable::with_capacity(2 * n),
             next_fresh: 0,
             free: Vec::new(),
@@ -656,10 +661,11 @@ impl Primary {
     }
 
     /// The common part of a store and a promotion, in one pass over the offer: P17's filter
-    /// (when `filter`), the keys to store (absent, each once, in offer order), R3–R4 (the
+    /// (a store's only), the keys to store (absent, each once, in offer order), R3–R4 (the
     /// Ready and to-be-stored keys recorded in offer order, Ready ones as reuses), R5 (store
     /// misses to the policy, last to first) and L4 (the request's run, newly seen resident
-    /// keys ranked).
+    /// keys ranked). A promotion's one key is absent (its caller looked it up): it is not
+    /// looked up again.
     fn begin_store(&mut self, req: RequestId, keys: &[Key], offered: Offered) -> Offer {
         let filter = offered == Offered::Store;
         let access = Self::access(&mut self.requests, &mut self.spare, req);
@@ -675,7 +681,15 @@ impl Primary {
                 Offered::Store => self
                     .index
                     .find(hash(key), |s| slots[s as usize].key.as_ref() == Some(key)),
-                Offered::Promotion => None,
+                Offered::Promotion => {
+                    debug_assert!(
+                        self.index
+                            .find(hash(key), |s| slots[s as usize].key.as_ref() == Some(key))
+                            .is_none(),
+                        "a promoted key is absent"
+                    );
+                    None
+                }
             };
             let ready = match found {
                 Some(s) => {

@@ -1,13 +1,16 @@
 //! `IdTable`: a deterministic hash index from key hashes to dense ids.
 //!
 //! The keys live with their owners (the slot table, a tier's entries, ARC's ghosts, a request's
-//! record); the table keeps only the ids, and asks its owner to compare keys, and to hash one
-//! again when the table grows. It is a SwissTable (`hashbrown`'s `HashTable`): a control byte
+//! record); the table keeps only the ids, and asks its owner to compare keys, and to hash its
+//! ids again whenever it rebuilds itself (when it grows, and when removals have left enough
+//! deleted buckets that it rebuilds in place: so even a table sized once asks). It is a SwissTable (`hashbrown`'s `HashTable`): a control byte
 //! per bucket holds 7 bits of the hash, so a lookup compares a group of control bytes at once
 //! and asks the owner only on a 7-bit match (1 in 128 for a different key), and a miss touches
 //! nothing but the compact control bytes. The hash is the key's fixed hash (no per-process
 //! seed), so the same operations give the same table on every run; behaviour never depends on
-//! the table's order (only invariant checks iterate).
+//! the table's order (only invariant checks iterate). The one place where the layout could
+//! decide is between two ids whose owner says both are equal, which owners never allow except
+//! ARC's ghosts, compared by hash alone (see `ArcPolicy`).
 
 use crate::key::Key;
 
@@ -47,7 +50,8 @@ impl IdTable {
     }
 
     /// Adds `id` under `hash`; the caller knows its key is not in the table. `rehash` gives
-    /// the hash of an id already in the table (asked only when the table grows).
+    /// the hash of an id already in the table (asked whenever the table rebuilds itself, which
+    /// may happen at any insert: every id in the table must have its owner's entry set).
     #[inline]
     pub(crate) fn insert(&mut self, hash: u64, id: u32, rehash: impl Fn(u32) -> u64) {
         self.table.insert_unique(hash, id, |&id| rehash(id));

@@ -22,6 +22,8 @@ const B2: usize = 1;
 /// A ghost remembers its key's fixed 64-bit hash, not its bytes: ghosts only steer `p`, so the
 /// chance of two keys sharing a hash (about n²/2⁶⁵ for n keys) can at worst nudge `p`, never
 /// serve a block; and an evicted block's bytes are freed at once instead of lingering in B1/B2.
+/// (If two ghosts ever shared a hash, which of them a lookup finds is up to the ghost index's
+/// layout: the same on every run of one build, not specified beyond that.)
 #[derive(Clone, Debug)]
 pub struct ArcPolicy {
     capacity: usize,
