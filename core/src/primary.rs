@@ -636,6 +636,7 @@ impl Primary {
         key: &Key,
         protected: &[u32],
     ) -> Result<(SlotId, usize), Error> {
+        debug_assert!(self.find(key).is_none(), "a promoted key is absent");
         let mut offer = self.begin_store(req, core::slice::from_ref(key), Offered::Promotion);
         if !protected.is_empty() {
             offer.protected.extend_from_slice(protected);
@@ -681,15 +682,7 @@ impl Primary {
                 Offered::Store => self
                     .index
                     .find(hash(key), |s| slots[s as usize].key.as_ref() == Some(key)),
-                Offered::Promotion => {
-                    debug_assert!(
-                        self.index
-                            .find(hash(key), |s| slots[s as usize].key.as_ref() == Some(key))
-                            .is_none(),
-                        "a promoted key is absent"
-                    );
-                    None
-                }
+                Offered::Promotion => None, // absent: `promote` checks it
             };
             let ready = match found {
                 Some(s) => {
