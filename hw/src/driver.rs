@@ -9,11 +9,15 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{Config, Effect, JobResult, Key, Lookup, Manager, Outcome, RequestId, TierId};
+use kvtier_core::{
+    Config, Effect, Event, JobResult, Key, Lookup, Manager, Metrics, Outcome, PreparedStore,
+    RequestId, SlotId, TierId,
+};
 
 use crate::HwError;
 use crate::engine::{
-    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
+    BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine,
+    TransferId, WorkerEngine,
 };
 use crate::io::{JobPath, TierDone, TierIo};
 use crate::metrics::{IoMetrics, Path};
@@ -189,6 +193,21 @@ impl Driver {
         })
     }
 
+    /// A driver for an inference engine's scheduler, whose own workers copy blocks between
+    /// the GPU and the region (vLLM's process layout): the engine's calls go through
+    /// [`prepare_store`](Self::prepare_store), [`complete_store`](Self::complete_store),
+    /// [`prepare_load`](Self::prepare_load) and [`complete_load`](Self::complete_load), and
+    /// the driver carries out only the secondary tiers' IO. [`store`](Self::store) and
+    /// [`load`](Self::load) are refused with [`EngineError::NoEngine`].
+    pub fn scheduler(
+        config: Config,
+        region: Arc<Region>,
+        stores: Vec<Arc<dyn SecondaryStore>>,
+        options: DriverOptions,
+    ) -> Result<Self, HwError> {
+        Self::new(config, region, Box::new(WorkerEngine), stores, options)
+    }
+
     /// The core (read only: every change goes through the driver).
     pub fn manager(&self) -> &Manager {
         &self.manager
@@ -237,6 +256,77 @@ impl Driver {
     /// Recency update for blocks the engine used (M8).
     pub fn touch(&mut self, keys: &[Key]) {
         self.manager.touch(keys);
+    }
+
+    /// vLLM's `prepare_store` (P4–P7): absent keys get Pending slots for the engine's workers
+    /// to fill; every returned key must later be passed to
+    /// [`complete_store`](Self::complete_store).
+    pub fn prepare_store(
+        &mut self,
+        req: RequestId,
+        keys: &[Key],
+    ) -> Result<PreparedStore, HwError> {
+        self.poll();
+        let prepared = self.manager.prepare_store(req, keys);
+        self.pump();
+        Ok(prepared?)
+    }
+
+    /// vLLM's `complete_store` (P8, P9, M6): the workers' copies of `keys` ended; if `ok`
+    /// the blocks become Ready and cascade to the secondary tiers, else their slots go back.
+    pub fn complete_store(&mut self, req: RequestId, keys: &[Key], ok: bool) {
+        self.poll();
+        self.manager.complete_store(req, keys, ok);
+        self.pump();
+    }
+
+    /// vLLM's `prepare_load` (P11): pins Ready blocks for the workers to copy out and
+    /// answers their slots; [`complete_load`](Self::complete_load) releases the pins.
+    pub fn prepare_load(&mut self, req: RequestId, keys: &[Key]) -> Result<Vec<SlotId>, HwError> {
+        Ok(self.manager.prepare_load(req, keys)?)
+    }
+
+    /// vLLM's `complete_load` (P13): the workers' copies of `keys` ended.
+    pub fn complete_load(&mut self, keys: &[Key]) -> Result<(), HwError> {
+        Ok(self.manager.complete_load(keys)?)
+    }
+
+    /// The core's events since the last call (P16).
+    pub fn take_events(&mut self) -> Vec<Event> {
+        self.manager.take_events()
+    }
+
+    /// The primary's gauges now and what accumulated since the previous call (vLLM's
+    /// `get_stats`).
+    pub fn take_metrics(&mut self) -> Metrics {
+        self.manager.take_metrics()
+    }
+
+    /// Whether the engine must keep stepping: a tier job or transfer is in flight, or the
+    /// core holds work for a step's end (vLLM's `has_pending_work`).
+    pub fn has_pending_work(&self) -> bool {
+        self.in_flight() > 0 || self.manager.has_pending_work()
+    }
+
+    /// vLLM's `reset_cache` (M12): waits up to `timeout` for the secondary tiers' IO in
+    /// flight, then the primary forgets every block. Refused with the core's
+    /// [`Error::Busy`](kvtier_core::Error::Busy) if IO is still running at the timeout; the
+    /// state is then unchanged.
+    pub fn reset_cache(&mut self, timeout: Duration) -> Result<(), HwError> {
+        let deadline = Instant::now().checked_add(timeout);
+        while self.in_flight() > 0 && deadline.is_none_or(|d| Instant::now() < d) {
+            self.wait_any(Duration::from_millis(20));
+        }
+        self.poll();
+        self.manager.reset_cache()?;
+        self.pump();
+        Ok(())
+    }
+
+    /// vLLM's `on_reset_flushed` (M14): the workers no longer write the slots the reset
+    /// freed; promotions resume.
+    pub fn reset_flushed(&mut self) {
+        self.manager.reset_flushed();
     }
 
     /// Stores the blocks the model just computed: `blocks` pairs each key with its offset in

@@ -69,6 +69,10 @@ pub enum EngineError {
         /// Workers of the region (valid workers are `0..workers`).
         workers: u16,
     },
+    /// The driver has no engine: the inference engine's own workers copy its blocks
+    /// ([`Driver::scheduler`](crate::Driver::scheduler)).
+    #[error("this driver does no GPU transfers: the inference engine's workers copy its blocks")]
+    NoEngine,
     /// The device memory given to a GPU engine is not memory it may copy to and from.
     #[error("device memory {base:#x}+{bytes}: {reason}")]
     DeviceMemory {
@@ -123,6 +127,24 @@ pub trait TransferEngine: Send {
     /// Pushes the completions of transfers that ended since the last call, for engines that
     /// learn of them by polling. Returns whether transfers are still in flight.
     fn poll(&mut self, done: &Completions) -> bool;
+}
+
+/// The engine of a driver whose GPU ↔ CPU copies are done elsewhere, by the inference
+/// engine's workers ([`Driver::scheduler`](crate::Driver::scheduler)): it refuses every job.
+pub(crate) struct WorkerEngine;
+
+impl TransferEngine for WorkerEngine {
+    fn name(&self) -> &'static str {
+        "workers"
+    }
+
+    fn submit(&mut self, _job: CopyJob, _done: &Completions) -> Result<(), EngineError> {
+        Err(EngineError::NoEngine)
+    }
+
+    fn poll(&mut self, _done: &Completions) -> bool {
+        false
+    }
 }
 
 /// One job shared by the copy threads that run its parts.

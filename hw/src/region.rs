@@ -818,9 +818,59 @@ impl Region {
         worker: u16,
         src: &[u8],
     ) -> Result<(), RegionError> {
-        let offset = self.sub_range(slot, worker, src.len())?;
+        self.write_part(slot, worker, 0, src)
+    }
+
+    /// Copies `src` into `worker`'s sub-slot of `slot` from byte `at` of the sub-slot: one
+    /// piece of a store whose block is spread over several device tensors (a worker handler
+    /// of an inference engine).
+    ///
+    /// Only for a slot that is Pending for the calling store, under the same rule as
+    /// `write_sub`: the engine alone writes a Pending slot, each worker its own sub-slot, and
+    /// the slot is not reused until `complete_store` (P4, I6). Bytes beyond the sub-slot are
+    /// refused.
+    pub fn write_part(
+        &self,
+        slot: SlotId,
+        worker: u16,
+        at: usize,
+        src: &[u8],
+    ) -> Result<(), RegionError> {
+        let offset = self.part_range(slot, worker, at, src.len())?;
         self.mapping
             .with_mut(offset, src.len(), |dst| dst.copy_from_slice(src))
+    }
+
+    /// Copies bytes of `worker`'s sub-slot of `slot`, from byte `at`, into `dst`: one piece
+    /// of a load (see [`write_part`](Self::write_part)).
+    ///
+    /// Only for a slot pinned by `prepare_load`: a pinned Ready block is never written or
+    /// reused until `complete_load` (P11, I3, I6). Bytes beyond the sub-slot are refused.
+    pub fn read_part(
+        &self,
+        slot: SlotId,
+        worker: u16,
+        at: usize,
+        dst: &mut [u8],
+    ) -> Result<(), RegionError> {
+        let offset = self.part_range(slot, worker, at, dst.len())?;
+        self.mapping
+            .with(offset, dst.len(), |src| dst.copy_from_slice(src))
+    }
+
+    fn part_range(
+        &self,
+        slot: SlotId,
+        worker: u16,
+        at: usize,
+        len: usize,
+    ) -> Result<usize, RegionError> {
+        let end = at.checked_add(len).ok_or(RegionError::OutOfRange {
+            offset: at as u64,
+            len: len as u64,
+            size: self.layout.total_bytes() as u64,
+        })?;
+        Ok(self.sub_range(slot, worker, end)? + at)
     }
 
     /// Copies `worker`'s sub-slot of `slot` into `dst` (the CPU → GPU copy of a load).
@@ -833,9 +883,7 @@ impl Region {
         worker: u16,
         dst: &mut [u8],
     ) -> Result<(), RegionError> {
-        let offset = self.sub_range(slot, worker, dst.len())?;
-        self.mapping
-            .with(offset, dst.len(), |src| dst.copy_from_slice(src))
+        self.read_part(slot, worker, 0, dst)
     }
 
     /// The address and length of the whole mapping (to register it with a GPU driver).

@@ -1,0 +1,537 @@
+"""kvtier as vLLM 0.33's offloading backend.
+
+vLLM loads it through its ``OffloadingConnector``::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
+        "spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": 64000000000,
+        "eviction_policy": "lru",
+        "secondary_tiers": [{"type": "file", "path": "/mnt/nvme/kvtier",
+                             "capacity_bytes": 1000000000000}]}}'
+
+- ``KvtierOffloadingSpec``: the spec vLLM's factory builds from that config.
+- ``KvtierOffloadingManager``: the scheduler side (vLLM's ``OffloadingManager``), backed by
+  kvtier's core; the secondary tiers' IO runs on kvtier's own threads.
+- ``KvtierOffloadingWorker``: one rank's transfer handler (vLLM's ``OffloadingWorker``),
+  copying between the rank's KV tensors and its part of the shared CPU region.
+
+When vLLM is importable the classes subclass vLLM's abstract classes and answer with vLLM's
+own types; without it they use the same shapes from ``kvtier._standalone``
+(``HAVE_VLLM`` tells which).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier import _native
+from kvtier._native import ConfigError, TransferError
+
+try:  # vLLM's own classes, so that its factories accept ours.
+    from vllm.v1.kv_offload import base as _base
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HAVE_VLLM = True
+except ImportError:
+    from kvtier import _standalone as _base
+    from kvtier._standalone import CacheHitSource
+
+    HAVE_VLLM = False
+
+LookupResult = _base.LookupResult
+Medium = _base.Medium
+Locality = _base.Locality
+OffloadingEvent = _base.OffloadingEvent
+PrepareStoreOutput = _base.PrepareStoreOutput
+RequestOffloadingContext = _base.RequestOffloadingContext
+TransferResult = _base.TransferResult
+
+__all__ = [
+    "HAVE_VLLM",
+    "KvtierLoadStoreSpec",
+    "KvtierOffloadingManager",
+    "KvtierOffloadingSpec",
+    "KvtierOffloadingWorker",
+    "Settings",
+]
+
+#: The page every sub-slot of the region is aligned to.
+PAGE = 4096
+
+#: The metric names kvtier reports through vLLM's ``get_stats`` (those of vLLM's CPU tier).
+CPU_CACHE_USAGE_PERC = "vllm:kv_offload_cpu_cache_usage_perc"
+CPU_CACHE_WRITE_USAGE_PERC = "vllm:kv_offload_cpu_cache_write_usage_perc"
+CPU_CACHE_READ_USAGE_PERC = "vllm:kv_offload_cpu_cache_read_usage_perc"
+CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
+STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
+
+
+class KvtierLoadStoreSpec(_base.BlockIDsLoadStoreSpec):
+    """Primary slots (chunks of the shared region), one per offloaded block."""
+
+    @property
+    def chunk_ids(self) -> np.ndarray:
+        return self.block_ids
+
+
+def _page_align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _int_setting(extra: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int:
+    value = extra.get(key, default)
+    if value is None:
+        raise ConfigError(f"kv_connector_extra_config.{key}: missing")
+    if isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not an integer")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"kv_connector_extra_config.{key}: {value!r} is not an integer"
+        ) from None
+    if number < minimum or (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is below {minimum}")
+    return number
+
+
+def _float_setting(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not a number") from None
+    if not number >= 0.0:
+        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is negative")
+    return number
+
+
+@dataclass(frozen=True)
+class Settings:
+    """kvtier's settings, read from vLLM's ``OffloadingConfig`` and checked.
+
+    vLLM's own keys: ``cpu_bytes_to_use`` (required), ``eviction_policy`` (``"lru"`` or
+    ``"arc"``), ``store_threshold``, ``max_tracker_size``. kvtier's: ``secondary_tiers``
+    (a list of ``{"type": "file", "path", "capacity_bytes", "eviction_policy"?, "fsync"?}``),
+    ``region_dir`` (``/dev/shm``), ``io_threads`` (4), ``shutdown_timeout_s`` (30),
+    ``attach_timeout_s`` (60).
+    """
+
+    num_blocks: int
+    region_path: str
+    policy: str = "lru"
+    workers: int = 1
+    rank: int = 0
+    block_bytes_per_worker: int = PAGE
+    blocks_per_chunk: int = 1
+    tiers: tuple[dict[str, Any], ...] = ()
+    events: bool = True
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    identity: str = ""
+    io_threads: int = 4
+    shutdown_timeout_s: float = 30.0
+    attach_timeout_s: float = 60.0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one slot: every worker's page-aligned part."""
+        return self.workers * _page_align(self.block_bytes_per_worker)
+
+    @classmethod
+    def from_vllm(cls, config: Any) -> Settings:
+        """Reads ``config`` (vLLM's ``OffloadingConfig``); a bad value is a ``ConfigError``
+        (a ``ValueError``) naming the key."""
+        extra = config.extra_config or {}
+        cpu_bytes = _int_setting(extra, "cpu_bytes_to_use", None, 1)
+        policy = extra.get("eviction_policy", "lru")
+        if policy not in ("lru", "arc"):
+            raise ConfigError(
+                f"kv_connector_extra_config.eviction_policy: {policy!r} is not \"lru\" or \"arc\""
+            )
+        if extra.get("cache_policy_module_path"):
+            raise ConfigError(
+                "kv_connector_extra_config.cache_policy_module_path: kvtier's policies are "
+                "its own (\"lru\", \"arc\"); out-of-tree policies are not loaded"
+            )
+        bpc = int(config.cache.blocks_per_chunk)
+        worker_bytes = int(config.worker_kv_bytes_per_block)
+        workers = int(config.parallel.world_size)
+        if worker_bytes <= 0 or workers <= 0:
+            raise ConfigError(
+                "worker_kv_bytes_per_block: vLLM reported no KV cache bytes per block "
+                f"({worker_bytes} bytes, {workers} workers)"
+            )
+        per_worker = worker_bytes * bpc
+        row = workers * _page_align(per_worker)
+        num_blocks = cpu_bytes // row
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes_to_use: {cpu_bytes} bytes hold no block "
+                f"of {row} bytes"
+            )
+        tiers = extra.get("secondary_tiers", [])
+        if isinstance(tiers, Mapping) or not isinstance(tiers, Sequence):
+            raise ConfigError("kv_connector_extra_config.secondary_tiers: not a list of tables")
+        for i, t in enumerate(tiers):
+            if not isinstance(t, Mapping):
+                raise ConfigError(f"kv_connector_extra_config.secondary_tiers[{i}]: not a table")
+        region_dir = str(extra.get("region_dir", "/dev/shm"))
+        engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(config.engine_id)) or "engine"
+        model = config.model
+        identity = (
+            f"{model.name}/{model.dtype}/{config.kv_cache_layout or 'default'}/"
+            f"world{workers}/chunk{per_worker}B/blocks{bpc}/"
+            f"tokens{','.join(str(g.tokens_per_block) for g in config.groups)}"
+        )
+        if len(identity.encode()) > 1024:
+            identity = "sha256:" + hashlib.sha256(identity.encode()).hexdigest()
+        return cls(
+            num_blocks=num_blocks,
+            policy=policy,
+            workers=workers,
+            rank=int(config.parallel.rank),
+            block_bytes_per_worker=per_worker,
+            blocks_per_chunk=bpc,
+            region_path=os.path.join(region_dir, f"kvtier-{engine}"),
+            tiers=tuple(dict(t) for t in tiers),
+            events=bool(config.enable_kv_cache_events),
+            store_threshold=_int_setting(extra, "store_threshold", 0, 0),
+            max_tracker_size=_int_setting(extra, "max_tracker_size", 64_000, 1),
+            identity=identity,
+            io_threads=_int_setting(extra, "io_threads", 4, 1),
+            shutdown_timeout_s=_float_setting(extra, "shutdown_timeout_s", 30.0),
+            attach_timeout_s=_float_setting(extra, "attach_timeout_s", 60.0),
+        )
+
+
+class KvtierOffloadingManager(_base.OffloadingManager):
+    """vLLM 0.33's ``OffloadingManager`` over kvtier's core.
+
+    Every method has vLLM's arguments and answers vLLM's types. The manager keeps no state in
+    Python: the core holds it, behind its own mutex, and the IO threads of the secondary tiers
+    never touch it (they queue their results, which the core applies at its next call).
+    ``lock`` is a real lock, as vLLM's discipline asks of a manager that other threads may
+    enter: callers hold it across a lookup HIT and the ``prepare_load`` that pins the block.
+    """
+
+    def __init__(self, settings: Settings, *, prefault_threads: int = 4):
+        self.settings = settings
+        self._native = _native.Manager(
+            num_blocks=settings.num_blocks,
+            policy=settings.policy,
+            region_path=settings.region_path,
+            block_bytes_per_worker=settings.block_bytes_per_worker,
+            workers=settings.workers,
+            answers=(
+                LookupResult.MISS,
+                LookupResult.HIT,
+                LookupResult.HIT_PENDING,
+                LookupResult.RETRY,
+            ),
+            tiers=[dict(t) for t in settings.tiers],
+            events=settings.events,
+            store_threshold=settings.store_threshold,
+            max_tracker_size=settings.max_tracker_size,
+            identity=settings.identity,
+            io_threads=settings.io_threads,
+            shutdown_timeout_s=settings.shutdown_timeout_s,
+            prefault_threads=prefault_threads,
+        )
+        self._lock = threading.Lock()
+        # The per-block calls go straight to the core: no Python frame in between.
+        self.lookup = self._native.lookup
+        self.complete_store = self._native.complete_store
+        self.complete_load = self._native.complete_load
+        self.touch = self._native.touch
+        self.on_request_finished = self._native.on_request_finished
+        self.on_schedule_end = self._native.on_schedule_end
+        self._tier_media = [
+            (Medium.STORAGE, Locality.LOCAL, f"tier{i}:{t.get('type', 'file')}")
+            for i, t in enumerate(settings.tiers)
+        ]
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    @property
+    def region_path(self) -> str:
+        """The shared region's file, created by this manager; the workers attach to it."""
+        return str(self._native.region_path)
+
+    # The methods below that __init__ binds to the core directly are here for the ABC and
+    # for readers; calls reach the bound ones.
+
+    def lookup(self, key: bytes, req_context: Any) -> Any:
+        return self._native.lookup(key, req_context)
+
+    def get_load_source(self, key: bytes, req_context: Any) -> CacheHitSource:
+        if self._native.promoted(key, req_context):
+            return CacheHitSource.DISK
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[bytes], req_context: Any) -> KvtierLoadStoreSpec:
+        return KvtierLoadStoreSpec(self._native.prepare_load(keys, req_context))
+
+    def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
+        self._native.touch(keys)
+
+    def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
+        self._native.complete_load(keys)
+
+    def prepare_store(self, keys: Collection[bytes], req_context: Any) -> Any:
+        out = self._native.prepare_store(keys, req_context)
+        if out is None:
+            return None
+        keys_to_store, slots, evicted = out
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store,
+            store_spec=KvtierLoadStoreSpec(slots),
+            evicted_keys=evicted,
+        )
+
+    def complete_store(
+        self, keys: Collection[bytes], req_context: Any, success: bool = True
+    ) -> None:
+        self._native.complete_store(keys, req_context, success)
+
+    def on_new_request(self, req_context: Any) -> Any:
+        self._native.on_new_request(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: Any) -> None:
+        self._native.on_request_finished(req_context)
+
+    def take_events(self) -> Iterable[Any]:
+        for tier, kind, keys in self._native.take_events():
+            if tier < 0:
+                medium, locality, ownership = Medium.CPU, None, None
+            else:
+                medium, locality, ownership = self._tier_media[tier]
+            yield OffloadingEvent(
+                keys=keys,
+                medium=medium,
+                removed=kind != 0,
+                locality=locality,
+                ownership=ownership,
+                metadata_only=kind == 2,
+            )
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        self._native.on_schedule_end()
+
+    def has_pending_work(self) -> bool:
+        return self._native.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self._native.reset_cache()
+
+    def on_reset_flushed(self) -> None:
+        self._native.on_reset_flushed()
+
+    def get_stats(self) -> Any:
+        usage, write_usage, read_usage, sizes, skipped = self._native.take_metrics()
+        if not HAVE_VLLM:
+            stats = {
+                CPU_CACHE_USAGE_PERC: usage,
+                CPU_CACHE_WRITE_USAGE_PERC: write_usage,
+                CPU_CACHE_READ_USAGE_PERC: read_usage,
+                CPU_ALLOCATION_SIZE: sizes,
+            }
+            if skipped is not None:
+                stats[STORES_SKIPPED] = skipped
+            return stats
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(CPU_CACHE_USAGE_PERC, usage)
+        for size in sizes:
+            stats.observe_histogram(CPU_ALLOCATION_SIZE, size)
+        stats.set_gauge(CPU_CACHE_WRITE_USAGE_PERC, write_usage)
+        stats.set_gauge(CPU_CACHE_READ_USAGE_PERC, read_usage)
+        if skipped is not None:
+            stats.increase_counter(STORES_SKIPPED, skipped)
+        return stats
+
+    def config_info(self) -> Sequence[Mapping[str, Any]]:
+        s = self.settings
+        return [
+            {
+                "cpu_num_chunks": s.num_blocks,
+                "cpu_blocks_per_chunk": s.blocks_per_chunk,
+                "cpu_kv_cache_size_bytes": s.num_blocks * s.row_bytes,
+                "kvtier_secondary_tiers": len(s.tiers),
+            }
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        """kvtier's own counters: lookups, hits, promotions, evictions, pins, and per tier
+        its blocks and health."""
+        return self._native.stats()
+
+    def shutdown(self) -> None:
+        self._native.shutdown()
+
+
+def _tensor_address(tensor: Any, page_stride: int) -> tuple[int, int]:
+    """The address of block 0 and the number of blocks of a host KV tensor."""
+    if hasattr(tensor, "data_ptr"):  # a torch tensor
+        if getattr(tensor, "is_cuda", False) or str(getattr(tensor, "device", "cpu")) != "cpu":
+            raise TransferError(
+                "this kvtier build copies host KV tensors only; the KV cache is on "
+                f"{tensor.device}"
+            )
+        stride = tensor.stride(0) * tensor.element_size()
+        blocks = int(tensor.shape[0])
+        address = int(tensor.data_ptr())
+    else:  # a numpy array or any writable buffer
+        array = tensor if isinstance(tensor, np.ndarray) else np.frombuffer(tensor, np.uint8)
+        if not array.flags.writeable:
+            raise ConfigError("kv_caches: a KV tensor is read-only")
+        if array.ndim == 1:
+            blocks, stride = array.nbytes // page_stride, page_stride
+        else:
+            blocks, stride = int(array.shape[0]), int(array.strides[0])
+        address = int(array.ctypes.data)
+    if stride != page_stride:
+        raise ConfigError(
+            f"kv_caches: a tensor's blocks are {stride} bytes apart, its page is {page_stride}"
+        )
+    return address, blocks
+
+
+class KvtierOffloadingWorker(_base.OffloadingWorker):
+    """vLLM 0.33's ``OffloadingWorker`` for one rank: copies its KV tensors' blocks to and
+    from its part of the shared region, on a copy thread (``submit_*`` never blocks)."""
+
+    def __init__(self, kv_caches: Any, settings: Settings, *, rank: int | None = None):
+        self.settings = settings
+        # The tensors stay alive as long as the handler copies from their addresses.
+        self._tensors = [t.tensor for t in kv_caches.tensors]
+        groups = []
+        for refs in kv_caches.group_data_refs:
+            group = []
+            for ref in refs:
+                t = kv_caches.tensors[ref.tensor_idx]
+                address, blocks = _tensor_address(t.tensor, int(t.page_size_bytes))
+                group.append((address, blocks, int(t.page_size_bytes), int(ref.page_size_bytes)))
+            groups.append(group)
+        self._native = _native.Worker(
+            region_path=settings.region_path,
+            rows=settings.num_blocks,
+            workers=settings.workers,
+            block_bytes_per_worker=settings.block_bytes_per_worker,
+            rank=settings.rank if rank is None else rank,
+            groups=groups,
+            blocks_per_chunk=settings.blocks_per_chunk,
+            attach_timeout_s=settings.attach_timeout_s,
+        )
+
+    @staticmethod
+    def _gpu(spec: Any) -> tuple[list[int], list[int], list[int]]:
+        ids = [int(b) for b in spec.block_ids]
+        sizes = getattr(spec, "group_sizes", None)
+        indices = getattr(spec, "block_indices", None)
+        if sizes is None:
+            sizes, indices = [len(ids)], [0]
+        return ids, [int(s) for s in sizes], [int(i) for i in indices]
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        ids, sizes, indices = self._gpu(src_spec)
+        slots = [int(s) for s in dst_spec.block_ids]
+        return self._native.submit(job_id, True, ids, sizes, indices, slots)
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        ids, sizes, indices = self._gpu(dst_spec)
+        slots = [int(s) for s in src_spec.block_ids]
+        return self._native.submit(job_id, False, ids, sizes, indices, slots)
+
+    def get_finished(self) -> list[Any]:
+        return [
+            TransferResult(job_id=j, success=ok, transfer_size=size, transfer_time=secs)
+            for j, ok, size, secs in self._native.get_finished()
+        ]
+
+    def error(self, job_id: int) -> str | None:
+        """Why job ``job_id`` failed, if it did."""
+        return self._native.error(job_id)
+
+    def wait(self, job_ids: set[int]) -> None:
+        self._native.wait(list(job_ids))
+
+    def shutdown(self) -> None:
+        self._native.shutdown()
+
+
+class KvtierOffloadingSpec(_base.OffloadingSpec):
+    """The spec vLLM's ``OffloadingSpecFactory`` builds for ``spec_name =
+    "KvtierOffloadingSpec"``, ``spec_module_path = "kvtier.vllm"``."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        if not HAVE_VLLM:
+            return {}
+        gauge, hist, counter = (
+            _base.OffloadingGaugeMetadata,
+            _base.OffloadingHistogramMetadata,
+            _base.OffloadingCounterMetadata,
+        )
+        defs: dict[str, Any] = {
+            CPU_CACHE_USAGE_PERC: gauge(
+                documentation="Fraction of kvtier's primary slots in use by transfers "
+                "(stores, promotions, loads)."
+            ),
+            CPU_CACHE_WRITE_USAGE_PERC: gauge(
+                documentation="Fraction of kvtier's primary slots being written."
+            ),
+            CPU_CACHE_READ_USAGE_PERC: gauge(
+                documentation="Fraction of kvtier's primary slots pinned by loads."
+            ),
+            CPU_ALLOCATION_SIZE: hist(
+                documentation="Blocks each prepare_store set out to allocate.",
+                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144),
+            ),
+        }
+        if int(extra_config.get("store_threshold", 0)) >= 2:
+            defs[STORES_SKIPPED] = counter(
+                documentation="Stores skipped because the reuse threshold was not reached."
+            )
+        return defs
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return (
+            "cpu_num_chunks",
+            "cpu_blocks_per_chunk",
+            "cpu_kv_cache_size_bytes",
+            "kvtier_secondary_tiers",
+        )
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.settings = Settings.from_vllm(config)
+        self._manager: KvtierOffloadingManager | None = None
+        self._worker: KvtierOffloadingWorker | None = None
+
+    def get_manager(self) -> KvtierOffloadingManager:
+        if self._manager is None:
+            self._manager = KvtierOffloadingManager(self.settings)
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> KvtierOffloadingWorker:
+        if self._worker is None:
+            self._worker = KvtierOffloadingWorker(kv_caches, self.settings)
+        return self._worker

@@ -1,0 +1,27 @@
+//! `kvtier._native`: the Rust half of the Python package `kvtier`.
+//!
+//! - [`Manager`](manager::Manager): the scheduler side, a [`kvtier_hw::Driver`] whose GPU ↔
+//!   CPU copies are done by the inference engine's workers; vLLM 0.33's `OffloadingManager`
+//!   calls map one to one onto its methods (`kvtier/vllm.py` adapts the shapes).
+//! - [`Worker`](worker::Worker): one tensor-parallel rank's transfer handler, copying between
+//!   the engine's KV tensors and the rank's sub-slots of the shared region.
+//!
+//! Errors become the typed exceptions of [`errors`]: a bad setting is a `ValueError` naming it,
+//! a refused call leaves the state as it was.
+
+mod errors;
+mod manager;
+#[allow(unsafe_code)]
+mod worker;
+
+use pyo3::prelude::*;
+
+/// The module `kvtier._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<manager::Manager>()?;
+    m.add_class::<worker::Worker>()?;
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

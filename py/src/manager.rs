@@ -1,0 +1,712 @@
+//! The scheduler side: vLLM 0.33's `OffloadingManager` calls on a [`Driver`] whose GPU ↔ CPU
+//! copies are done by the engine's workers.
+//!
+//! The driver and its core sit behind one mutex. A call that may wait (for the secondary
+//! tiers' IO: `reset_cache`, `shutdown`) waits with the GIL released; every other call is
+//! short and takes the mutex without giving up the GIL unless another thread holds it.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+
+use kvtier_core::{
+    BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind, RequestId,
+    ReuseFilter, TierConfig, TierKind,
+};
+use kvtier_hw::{
+    Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, Region, SecondaryStore,
+};
+
+use crate::errors;
+
+/// `prepare_store`'s answer: the keys to store (the caller's objects), their slots, and the
+/// evicted keys.
+type StoreAnswer<'py> = (Bound<'py, PyList>, Vec<u32>, Bound<'py, PyList>);
+
+/// One event: the tier (-1 for the primary), the kind (0 stored, 1 removed, 2 discarded) and
+/// the keys.
+type EventTuple<'py> = (i32, u8, Vec<Bound<'py, PyBytes>>);
+
+/// A secondary tier's settings, as `kvtier.vllm` passes them.
+struct TierSettings {
+    path: PathBuf,
+    capacity_bytes: u64,
+    policy: PolicyKind,
+    fsync: FsyncPolicy,
+}
+
+struct Inner {
+    driver: Option<Driver>,
+    /// vLLM's request ids (strings) to the core's.
+    requests: HashMap<String, RequestId>,
+    next_request: u64,
+    /// Keys each request was answered HitPending for by a promotion (their load source is a
+    /// secondary tier).
+    promoted: HashMap<RequestId, HashSet<Key>>,
+    keys: Vec<Key>,
+    shutdown_timeout: Duration,
+}
+
+impl Inner {
+    fn driver(&mut self) -> PyResult<&mut Driver> {
+        self.driver
+            .as_mut()
+            .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))
+    }
+
+    /// For a call that stores or loads `items`: their keys into `keys`, and the positions the
+    /// request has for them given to the core (vLLM's policies read a key's position when
+    /// the request stores or loads it). Answers the request's id.
+    fn begin(
+        &mut self,
+        keys: &mut Vec<Key>,
+        id: &Bound<'_, PyString>,
+        items: &[Bound<'_, PyAny>],
+        positions: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<RequestId> {
+        keys.clear();
+        for item in items {
+            keys.push(key_of(item)?);
+        }
+        let req = self.request(id.to_str()?);
+        let driver = self.driver()?;
+        if let Some(positions) = positions.filter(|p| !p.is_empty()) {
+            for (item, key) in items.iter().zip(keys.iter()) {
+                if let Some(v) = positions.get_item(item)?
+                    && let Ok(end) = v.extract::<u64>()
+                {
+                    driver.set_position(req, key, end);
+                }
+            }
+        }
+        Ok(req)
+    }
+
+    /// The core's id of vLLM's request `req_id`, made at its first mention.
+    fn request(&mut self, req_id: &str) -> RequestId {
+        if let Some(&id) = self.requests.get(req_id) {
+            return id;
+        }
+        let id = RequestId(self.next_request);
+        self.next_request += 1;
+        self.requests.insert(req_id.to_owned(), id);
+        id
+    }
+}
+
+/// The scheduler-side manager: the core, the shared region it owns, and the secondary tiers'
+/// IO threads.
+#[pyclass(module = "kvtier._native", frozen)]
+pub(crate) struct Manager {
+    inner: Mutex<Inner>,
+    /// What `lookup` answers: the caller's Miss, Hit, HitPending and Retry objects.
+    answers: [Py<PyAny>; 4],
+    region_path: PathBuf,
+    num_blocks: u32,
+    row_bytes: usize,
+}
+
+fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    // A panic inside a call is a bug; the state it left is still the core's last checked one.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn parse_policy(key: &str, name: &str) -> PyResult<PolicyKind> {
+    match name {
+        "lru" => Ok(PolicyKind::Lru),
+        "arc" => Ok(PolicyKind::Arc),
+        other => Err(errors::config(
+            key,
+            format!("unknown eviction policy {other:?} (kvtier has \"lru\" and \"arc\")"),
+        )),
+    }
+}
+
+fn parse_fsync(key: &str, name: &str) -> PyResult<FsyncPolicy> {
+    name.parse().map_err(|e: String| errors::config(key, e))
+}
+
+fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
+    let name = |k: &str| format!("secondary_tiers[{i}].{k}");
+    let get = |k: &str| d.get_item(k);
+    let kind: String = match get("type")? {
+        Some(v) => v
+            .extract()
+            .map_err(|_| errors::config(&name("type"), "not a string"))?,
+        None => return Err(errors::config(&name("type"), "missing (\"file\")")),
+    };
+    if kind != "file" {
+        return Err(errors::config(
+            &name("type"),
+            format!("unknown tier type {kind:?} (this release has \"file\")"),
+        ));
+    }
+    let path: PathBuf = match get("path")? {
+        Some(v) => v
+            .extract()
+            .map_err(|_| errors::config(&name("path"), "not a path"))?,
+        None => return Err(errors::config(&name("path"), "missing")),
+    };
+    let capacity_bytes: u64 = match get("capacity_bytes")? {
+        Some(v) => v
+            .extract()
+            .map_err(|_| errors::config(&name("capacity_bytes"), "not a positive integer"))?,
+        None => return Err(errors::config(&name("capacity_bytes"), "missing")),
+    };
+    let policy = match get("eviction_policy")? {
+        Some(v) => parse_policy(&name("eviction_policy"), &v.extract::<String>()?)?,
+        None => PolicyKind::Lru,
+    };
+    let fsync = match get("fsync")? {
+        Some(v) => parse_fsync(&name("fsync"), &v.extract::<String>()?)?,
+        None => FsyncPolicy::default(),
+    };
+    for k in d.keys() {
+        let k: String = k.extract()?;
+        if !["type", "path", "capacity_bytes", "eviction_policy", "fsync"].contains(&k.as_str()) {
+            return Err(errors::config(&name(&k), "unknown setting"));
+        }
+    }
+    Ok(TierSettings {
+        path,
+        capacity_bytes,
+        policy,
+        fsync,
+    })
+}
+
+/// The keys of an iterable of `bytes`, into `out`.
+fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<Key>) -> PyResult<()> {
+    out.clear();
+    if let Ok(list) = keys.cast::<PyList>() {
+        out.reserve(list.len());
+        for k in list.iter() {
+            out.push(key_of(&k)?);
+        }
+        return Ok(());
+    }
+    for k in keys.try_iter()? {
+        out.push(key_of(&k?)?);
+    }
+    Ok(())
+}
+
+fn key_of(k: &Bound<'_, PyAny>) -> PyResult<Key> {
+    match k.cast::<PyBytes>() {
+        Ok(b) => Ok(Key::new(b.as_bytes())),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "a key must be bytes (vLLM's OffloadKey), not {}",
+            k.get_type().name()?
+        ))),
+    }
+}
+
+/// The request's key positions (`req_context._offload_key_positions`), if it has them.
+fn positions<'py>(ctx: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
+    ctx.getattr(intern!(ctx.py(), "_offload_key_positions"))
+        .ok()
+        .and_then(|p| p.cast_into::<PyDict>().ok())
+}
+
+fn items<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    match keys.cast::<PyList>() {
+        Ok(l) => Ok(l.iter().collect()),
+        Err(_) => keys.try_iter()?.collect(),
+    }
+}
+
+fn req_id<'py>(ctx: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    let id = ctx.getattr(intern!(ctx.py(), "req_id"))?;
+    id.cast_into::<PyString>()
+        .map_err(|_| PyTypeError::new_err("req_context.req_id must be a string"))
+}
+
+#[pymethods]
+impl Manager {
+    /// Creates the shared region at `region_path` (owned by this manager) and opens the
+    /// secondary tiers (blocks found on disk are restored).
+    #[new]
+    #[pyo3(signature = (*, num_blocks, policy, region_path, block_bytes_per_worker, workers,
+        answers, tiers = Vec::new(), events = true, store_threshold = 0,
+        max_tracker_size = 64_000, identity = String::new(), io_threads = 4,
+        shutdown_timeout_s = 30.0, prefault_threads = 4))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: u32,
+        policy: &str,
+        region_path: PathBuf,
+        block_bytes_per_worker: usize,
+        workers: u16,
+        answers: [Py<PyAny>; 4],
+        tiers: Vec<Bound<'_, PyDict>>,
+        events: bool,
+        store_threshold: u32,
+        max_tracker_size: u32,
+        identity: String,
+        io_threads: usize,
+        shutdown_timeout_s: f64,
+        prefault_threads: usize,
+    ) -> PyResult<Self> {
+        let mut config = Config::new(num_blocks);
+        config.policy = parse_policy("eviction_policy", policy)?;
+        config.events = events;
+        if store_threshold >= 2 {
+            config.reuse = Some(ReuseFilter {
+                store_threshold,
+                max_tracker_size,
+            });
+        }
+        if !(shutdown_timeout_s.is_finite() && shutdown_timeout_s >= 0.0) {
+            return Err(errors::config(
+                "shutdown_timeout_s",
+                "must be a non-negative number of seconds",
+            ));
+        }
+        let layout = Layout::new(num_blocks, workers, block_bytes_per_worker)
+            .map_err(|e| errors::config("cpu_bytes_to_use", e))?;
+        let settings = tiers
+            .iter()
+            .enumerate()
+            .map(|(i, d)| tier_settings(i, d))
+            .collect::<PyResult<Vec<_>>>()?;
+        let row = layout.row_bytes();
+        let path = region_path.clone();
+        let build = move || -> PyResult<Driver> {
+            let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
+            for (i, t) in settings.iter().enumerate() {
+                let cap = FileStore::capacity_for(row, t.capacity_bytes).map_err(|e| {
+                    errors::config(&format!("secondary_tiers[{i}].capacity_bytes"), e)
+                })?;
+                std::fs::create_dir_all(&t.path).map_err(|e| {
+                    errors::TierError::new_err(format!("{}: {e}", t.path.display()))
+                })?;
+                let options = FileOptions {
+                    identity: identity.clone(),
+                    fsync: t.fsync,
+                    ..FileOptions::default()
+                };
+                let store = FileStore::open_with(&t.path, row, t.capacity_bytes, options)
+                    .map_err(errors::store)?;
+                let mut tc = TierConfig::new(TierKind::Authoritative, cap);
+                tc.policy = t.policy;
+                config.tiers.push(tc);
+                stores.push(Arc::new(store));
+            }
+            config
+                .validate()
+                .map_err(|e| errors::ConfigError::new_err(e.to_string()))?;
+            let region =
+                Region::create(&path, layout, prefault_threads.max(1)).map_err(errors::region)?;
+            let options = DriverOptions {
+                io_threads_per_tier: io_threads.max(1),
+                shutdown_timeout: Duration::from_secs_f64(shutdown_timeout_s),
+                ..DriverOptions::default()
+            };
+            Driver::scheduler(config, Arc::new(region), stores, options).map_err(errors::hw)
+        };
+        // Opening tiers and faulting the region in may take a while: let other threads run.
+        let driver = py.detach(build)?;
+        Ok(Manager {
+            inner: Mutex::new(Inner {
+                driver: Some(driver),
+                requests: HashMap::new(),
+                next_request: 0,
+                promoted: HashMap::new(),
+                keys: Vec::new(),
+                shutdown_timeout: Duration::from_secs_f64(shutdown_timeout_s),
+            }),
+            answers,
+            region_path,
+            num_blocks,
+            row_bytes: row,
+        })
+    }
+
+    /// The shared region's file, which the workers attach to.
+    #[getter]
+    fn region_path(&self) -> PathBuf {
+        self.region_path.clone()
+    }
+
+    /// Slots in the primary tier.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Bytes of one slot's row (every worker's part).
+    #[getter]
+    fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// vLLM's `lookup(key, req_context)`: answers one of the four `answers` objects.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyBytes>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let id = req_id(req_context)?;
+        let key = Key::new(key.as_bytes());
+        let mut inner = self.lock(py);
+        let req = inner.request(id.to_str()?);
+        let driver = inner.driver()?;
+        let answer = driver.lookup(req, &key);
+        let i = match answer {
+            Lookup::Miss => 0,
+            Lookup::Hit => 1,
+            Lookup::HitPending => {
+                if let Some((_, BlockState::Promoting)) = driver.manager().primary().state_of(&key)
+                {
+                    inner.promoted.entry(req).or_default().insert(key);
+                }
+                2
+            }
+            _ => 3,
+        };
+        Ok(self.answers[i].clone_ref(py))
+    }
+
+    /// Whether `key`, answered Hit or HitPending for the request, was promoted from a
+    /// secondary tier (vLLM's `get_load_source`: disk rather than host).
+    fn promoted(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyBytes>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let id = req_id(req_context)?;
+        let inner = self.lock(py);
+        let Some(req) = inner.requests.get(id.to_str()?) else {
+            return Ok(false);
+        };
+        Ok(inner
+            .promoted
+            .get(req)
+            .is_some_and(|s| s.contains(&Key::new(key.as_bytes()))))
+    }
+
+    /// vLLM's `on_new_request`.
+    fn on_new_request(&self, py: Python<'_>, req_context: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = req_id(req_context)?;
+        let mut inner = self.lock(py);
+        let req = inner.request(id.to_str()?);
+        inner.driver()?.new_request(req);
+        Ok(())
+    }
+
+    /// vLLM's `prepare_load`: pins the blocks and answers their slots, in order.
+    fn prepare_load(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u32>> {
+        let id = req_id(req_context)?;
+        let items = items(keys)?;
+        let positions = positions(req_context);
+        let mut inner = self.lock(py);
+        let mut k = std::mem::take(&mut inner.keys);
+        let out = inner
+            .begin(&mut k, &id, &items, positions.as_ref())
+            .and_then(|req| inner.driver()?.prepare_load(req, &k).map_err(errors::hw));
+        inner.keys = k;
+        Ok(out?.into_iter().map(|s| s.0).collect())
+    }
+
+    /// vLLM's `touch(keys, req_context)`.
+    #[pyo3(signature = (keys, req_context = None))]
+    fn touch(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        self.with_keys(py, keys, |driver, _, k| {
+            driver.touch(k);
+            Ok(())
+        })
+    }
+
+    /// vLLM's `complete_load(keys, req_context)`: releases the pins of `prepare_load`.
+    #[pyo3(signature = (keys, req_context = None))]
+    fn complete_load(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        self.with_keys(py, keys, |driver, _, k| {
+            driver.complete_load(k).map_err(errors::hw)
+        })
+    }
+
+    /// vLLM's `prepare_store`: `None` when the blocks cannot be stored (no room), else
+    /// `(keys_to_store, slots, evicted_keys)`; `keys_to_store` are the caller's own objects.
+    fn prepare_store<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        req_context: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<StoreAnswer<'py>>> {
+        let id = req_id(req_context)?;
+        let items = items(keys)?;
+        let positions = positions(req_context);
+        let mut inner = self.lock(py);
+        let mut k = std::mem::take(&mut inner.keys);
+        let out = inner
+            .begin(&mut k, &id, &items, positions.as_ref())
+            .and_then(|req| Ok(inner.driver()?.prepare_store(req, &k)));
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                inner.keys = k;
+                return Err(e);
+            }
+        };
+        let prepared = match out {
+            Ok(p) => p,
+            Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => {
+                inner.keys = k;
+                return Ok(None);
+            }
+            Err(e) => {
+                inner.keys = k;
+                return Err(errors::hw(e));
+            }
+        };
+        // The keys to store are a subsequence of the input, in input order.
+        let to_store = PyList::empty(py);
+        let mut next = 0;
+        for key in &prepared.keys {
+            while next < k.len() && &k[next] != key {
+                next += 1;
+            }
+            match items.get(next) {
+                Some(obj) => to_store.append(obj)?,
+                None => to_store.append(PyBytes::new(py, key.as_bytes()))?,
+            }
+            next += 1;
+        }
+        inner.keys = k;
+        let evicted = PyList::empty(py);
+        for key in &prepared.evicted {
+            evicted.append(PyBytes::new(py, key.as_bytes()))?;
+        }
+        Ok(Some((
+            to_store,
+            prepared.slots.iter().map(|s| s.0).collect(),
+            evicted,
+        )))
+    }
+
+    /// vLLM's `complete_store(keys, req_context, success=True)`.
+    #[pyo3(signature = (keys, req_context, success = true))]
+    fn complete_store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+        success: bool,
+    ) -> PyResult<()> {
+        let id = req_id(req_context)?;
+        self.with_keys(py, keys, |driver, requests, k| {
+            // A completion may come after the request finished: it names no record then.
+            let req = requests
+                .get(id.to_str()?)
+                .copied()
+                .unwrap_or(RequestId(u64::MAX));
+            driver.complete_store(req, k, success);
+            Ok(())
+        })
+    }
+
+    /// vLLM's `on_request_finished`: the request's key positions (read from
+    /// `req_context._offload_key_positions`) order its blocks' recency.
+    fn on_request_finished(&self, py: Python<'_>, req_context: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = req_id(req_context)?;
+        let positions = positions(req_context);
+        let mut inner = self.lock(py);
+        let Some(req) = inner.requests.remove(id.to_str()?) else {
+            return Ok(());
+        };
+        inner.promoted.remove(&req);
+        let driver = inner.driver()?;
+        if let Some(positions) = positions {
+            for (k, v) in positions.iter() {
+                let (Ok(k), Ok(v)) = (k.cast::<PyBytes>(), v.extract::<u64>()) else {
+                    continue;
+                };
+                driver.set_position(req, &Key::new(k.as_bytes()), v);
+            }
+        }
+        driver.request_finished(req);
+        Ok(())
+    }
+
+    /// vLLM's `on_schedule_end`: ends the step (promotions are submitted, results collected).
+    #[pyo3(signature = (context = None))]
+    fn on_schedule_end(&self, py: Python<'_>, context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let _ = context;
+        self.lock(py).driver()?.end_step();
+        Ok(())
+    }
+
+    /// vLLM's `take_events`: `(tier, kind, keys)` with `tier` -1 for the primary and `kind`
+    /// 0 stored, 1 removed, 2 discarded (a failed store's metadata-only removal).
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<EventTuple<'py>>> {
+        let events = self.lock(py).driver()?.take_events();
+        Ok(events
+            .into_iter()
+            .map(|e| {
+                let tier = match e.medium {
+                    Medium::Primary => -1,
+                    Medium::Tier(t) => i32::from(t.0),
+                };
+                let kind = match e.kind {
+                    EventKind::Stored => 0,
+                    EventKind::Removed => 1,
+                    EventKind::Discarded => 2,
+                };
+                let keys = e
+                    .keys
+                    .iter()
+                    .map(|k| PyBytes::new(py, k.as_bytes()))
+                    .collect();
+                (tier, kind, keys)
+            })
+            .collect())
+    }
+
+    /// Whether the engine must keep stepping (tier IO in flight or promotions waiting).
+    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.lock(py).driver()?.has_pending_work())
+    }
+
+    /// vLLM's `reset_cache`: waits (GIL released) for the tiers' IO in flight, then the
+    /// primary forgets every block; promotions are held until `on_reset_flushed`.
+    fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let mut inner = lock(&self.inner);
+            let timeout = inner.shutdown_timeout;
+            inner.promoted.clear();
+            inner.driver().map(|d| d.reset_cache(timeout))
+        })
+        .and_then(|r| r.map_err(errors::hw))
+    }
+
+    /// vLLM's `on_reset_flushed`.
+    fn on_reset_flushed(&self, py: Python<'_>) -> PyResult<()> {
+        self.lock(py).driver()?.reset_flushed();
+        Ok(())
+    }
+
+    /// vLLM's `get_stats` data for the primary: `(usage, write_usage, read_usage,
+    /// allocation_sizes, stores_skipped)`; `stores_skipped` is `None` without a reuse filter.
+    #[allow(clippy::type_complexity)]
+    fn take_metrics(&self, py: Python<'_>) -> PyResult<(f64, f64, f64, Vec<u32>, Option<u64>)> {
+        let m = self.lock(py).driver()?.take_metrics();
+        Ok((
+            m.usage(),
+            m.write_usage(),
+            m.read_usage(),
+            m.allocation_sizes.clone(),
+            m.stores_skipped,
+        ))
+    }
+
+    /// The core's counters, and per tier its blocks and health, as a dict (for reports).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut inner = self.lock(py);
+        let driver = inner.driver()?;
+        let s = driver.manager().stats();
+        let d = PyDict::new(py);
+        d.set_item("lookups", s.lookups)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("hits_pending", s.hits_pending)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("retries", s.retries)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("promotions_started", s.promotions_started)?;
+        d.set_item("promotions_refused", s.promotions_refused)?;
+        d.set_item("load_pins", s.load_pins)?;
+        d.set_item("job_pins", s.job_pins)?;
+        d.set_item("jobs_outstanding", s.jobs_outstanding)?;
+        d.set_item("step", s.step)?;
+        let tiers = PyList::empty(py);
+        for (health, t) in &s.tiers {
+            let td = PyDict::new(py);
+            td.set_item("blocks", t.blocks)?;
+            td.set_item("hits", t.hits)?;
+            td.set_item("blocks_cascaded", t.blocks_cascaded)?;
+            td.set_item("evictions", t.evictions)?;
+            td.set_item("jobs_failed", t.jobs_failed)?;
+            td.set_item("health", format!("{health:?}"))?;
+            tiers.append(td)?;
+        }
+        d.set_item("tiers", tiers)?;
+        Ok(d)
+    }
+
+    /// Waits (GIL released, up to the configured timeout) for the tiers' IO, ends every
+    /// job, stops the IO threads and removes the region. Later calls raise. Returns
+    /// `(drained, ended_failed, abandoned)`; a second call returns zeros.
+    fn shutdown(&self, py: Python<'_>) -> (u64, u64, u64) {
+        let driver = py.detach(|| lock(&self.inner).driver.take());
+        match driver {
+            Some(d) => {
+                let r = py.detach(move || d.shutdown());
+                (r.drained, r.ended_failed, r.abandoned)
+            }
+            None => (0, 0, 0),
+        }
+    }
+}
+
+impl Manager {
+    /// Runs `f` on the driver, the request ids and the keys of `keys` (in the reused scratch
+    /// vector).
+    fn with_keys<R>(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        f: impl FnOnce(&mut Driver, &HashMap<String, RequestId>, &[Key]) -> PyResult<R>,
+    ) -> PyResult<R> {
+        let mut inner = self.lock(py);
+        let mut k = std::mem::take(&mut inner.keys);
+        let inner = &mut *inner;
+        let out = keys_into(keys, &mut k).and_then(|()| {
+            let driver = inner
+                .driver
+                .as_mut()
+                .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))?;
+            f(driver, &inner.requests, &k)
+        });
+        inner.keys = k;
+        out
+    }
+
+    /// The state, taken without releasing the GIL unless another thread holds it (that
+    /// thread may be waiting for the GIL itself).
+    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Inner> {
+        loop {
+            match self.inner.try_lock() {
+                Ok(g) => return g,
+                Err(std::sync::TryLockError::Poisoned(p)) => return p.into_inner(),
+                // A guard cannot cross threads' GIL states: wait for the holder without the
+                // GIL, then try again with it.
+                Err(std::sync::TryLockError::WouldBlock) => py.detach(|| drop(lock(&self.inner))),
+            }
+        }
+    }
+}
