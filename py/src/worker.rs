@@ -13,6 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::thread::JoinHandle;
@@ -77,6 +78,8 @@ struct Shared {
     region: OnceLock<Result<Arc<Region>, String>>,
     groups: Vec<Vec<TensorRef>>,
     blocks_per_chunk: usize,
+    /// A pause after each page copy, for tests that kill a rank in the middle of a job.
+    page_delay_us: AtomicU64,
 }
 
 impl Shared {
@@ -123,6 +126,10 @@ impl Shared {
                         .map_err(|e| e.to_string())?;
                 }
                 bytes += t.page as u64;
+                let delay = self.page_delay_us.load(Ordering::Relaxed);
+                if delay > 0 {
+                    std::thread::sleep(Duration::from_micros(delay));
+                }
             }
         }
         Ok(bytes)
@@ -233,6 +240,7 @@ impl Worker {
             region: OnceLock::new(),
             groups: refs,
             blocks_per_chunk,
+            page_delay_us: AtomicU64::new(0),
         });
         let (tx, rx) = channel::<Job>();
         let s = shared.clone();
@@ -358,6 +366,13 @@ impl Worker {
                 let _ = t.join();
             });
         }
+    }
+
+    /// Pauses `micros` after each page copy from now on: for fault tests that need a rank to
+    /// die in the middle of a job.
+    #[doc(hidden)]
+    fn _inject_page_delay(&self, micros: u64) {
+        self.shared.page_delay_us.store(micros, Ordering::Relaxed);
     }
 
     /// Bytes of a chunk of each group in this rank's sub-slot.

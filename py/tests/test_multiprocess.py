@@ -1,0 +1,165 @@
+"""A scheduler process and two rank processes on one shared region, and ranks that die.
+
+The test process is the scheduler: it owns the manager (and so the region) and hands each
+rank the transfers vLLM's connector would. Each rank process (``rank_process.py``) attaches to
+the region and copies its own KV tensors to and from its own part of each slot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvtier
+import kvtier.vllm as kv
+from vllm.v1.kv_offload import base
+
+PAGE = 4096
+RANK = str(Path(__file__).with_name("rank_process.py"))
+
+
+class Rank:
+    def __init__(self, region, rows, workers, rank):
+        self.rank = rank
+        self.proc = subprocess.Popen(
+            [sys.executable, RANK, region, str(rows), str(workers), str(rank)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.ask_line() == {"ready": rank}
+
+    def ask_line(self):
+        line = self.proc.stdout.readline()
+        assert line, f"rank {self.rank} exited with {self.proc.wait()}"
+        return json.loads(line)
+
+    def ask(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.ask_line()
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def cluster(region_dir):
+    settings = kv.Settings(
+        num_blocks=8, region_path=str(region_dir / "region"), workers=2,
+        block_bytes_per_worker=PAGE,
+    )
+    manager = kv.KvtierOffloadingManager(settings, prefault_threads=1)
+    ranks = [Rank(settings.region_path, 8, 2, r) for r in range(2)]
+    yield manager, ranks, settings
+    for r in ranks:
+        r.close()
+    manager.shutdown()
+
+
+def transfer(ranks, op, job, gpu, slots):
+    """One job on every rank, as vLLM's connector runs it; succeeds if every rank's did."""
+    return all(r.ask(op=op, job=job, gpu=gpu, slots=slots)["ok"] for r in ranks)
+
+
+def test_two_ranks_store_and_load_their_own_bytes(cluster):
+    manager, ranks, _ = cluster
+    ctx = base.ReqContext(req_id="a")
+    manager.on_new_request(ctx)
+    keys = [b"k%d" % i for i in range(4)]
+    out = manager.prepare_store(keys, ctx)
+    slots = [int(s) for s in out.store_spec.block_ids]
+    manager.complete_store(keys, ctx, success=transfer(ranks, "store", 1, [0, 1, 2, 3], slots))
+    original = [r.ask(op="digest", blocks=[0, 1, 2, 3]) for r in ranks]
+    assert original[0] != original[1], "the ranks hold different bytes"
+    for r in ranks:
+        r.ask(op="zero", blocks=[8, 9, 10, 11])
+    assert all(manager.lookup(k, ctx) is kv.LookupResult.HIT for k in keys)
+    src = manager.prepare_load(keys, ctx)
+    assert transfer(ranks, "load", 2, [8, 9, 10, 11], [int(s) for s in src.block_ids])
+    manager.complete_load(keys, ctx)
+    for r, want in zip(ranks, original):
+        assert r.ask(op="digest", blocks=[8, 9, 10, 11]) == want
+    assert manager.stats()["load_pins"] == 0
+
+
+def test_a_rank_that_dies_mid_store_leaves_nothing_served_and_no_pin(cluster):
+    manager, ranks, settings = cluster
+    ctx = base.ReqContext(req_id="b")
+    manager.on_new_request(ctx)
+    keys = [b"d%d" % i for i in range(6)]
+    out = manager.prepare_store(keys, ctx)
+    slots = [int(s) for s in out.store_spec.block_ids]
+    assert ranks[0].ask(op="store", job=1, gpu=list(range(6)), slots=slots)["ok"]
+    ranks[1].ask(op="slow", us=200_000)
+    assert ranks[1].ask(op="store", job=1, gpu=list(range(6)), slots=slots, wait=False)["ok"]
+    time.sleep(0.3)  # the rank is copying its second page
+    ranks[1].kill()
+    # The connector learns the rank died: the job failed on one rank, so the store failed.
+    manager.complete_store(keys, ctx, success=False)
+    for k in keys:
+        assert manager.lookup(k, ctx) is kv.LookupResult.MISS
+    manager.on_request_finished(ctx)
+    stats = manager.stats()
+    assert stats["load_pins"] == 0 and stats["job_pins"] == 0
+    # Every slot is free: a replacement rank and the survivor store a full primary.
+    ranks[1] = Rank(settings.region_path, 8, 2, 1)
+    ctx = base.ReqContext(req_id="c")
+    manager.on_new_request(ctx)
+    full = [b"f%d" % i for i in range(8)]
+    out = manager.prepare_store(full, ctx)
+    assert out is not None and len(out.keys_to_store) == 8
+    ok = transfer(ranks, "store", 2, list(range(8)), [int(s) for s in out.store_spec.block_ids])
+    manager.complete_store(full, ctx, success=ok)
+    assert ok and all(manager.lookup(k, ctx) is kv.LookupResult.HIT for k in full)
+
+
+def test_a_rank_that_dies_mid_load_releases_the_pins(cluster):
+    manager, ranks, settings = cluster
+    ctx = base.ReqContext(req_id="e")
+    manager.on_new_request(ctx)
+    keys = [b"l%d" % i for i in range(4)]
+    out = manager.prepare_store(keys, ctx)
+    slots = [int(s) for s in out.store_spec.block_ids]
+    manager.complete_store(keys, ctx, success=transfer(ranks, "store", 1, [0, 1, 2, 3], slots))
+    want = ranks[1].ask(op="digest", blocks=[0, 1, 2, 3])
+    src = [int(s) for s in manager.prepare_load(keys, ctx).block_ids]
+    assert manager.stats()["load_pins"] == 4
+    ranks[1].ask(op="slow", us=200_000)
+    ranks[1].ask(op="load", job=2, gpu=[8, 9, 10, 11], slots=src, wait=False)
+    time.sleep(0.3)
+    ranks[1].kill()
+    manager.complete_load(keys, ctx)  # the connector ends the job, failed
+    assert manager.stats()["load_pins"] == 0
+    # The stored blocks were only read: a new rank loads them intact.
+    ranks[1] = Rank(settings.region_path, 8, 2, 1)
+    ranks[1].ask(op="zero", blocks=[8, 9, 10, 11])
+    assert all(manager.lookup(k, ctx) is kv.LookupResult.HIT for k in keys)
+    src = [int(s) for s in manager.prepare_load(keys, ctx).block_ids]
+    assert ranks[1].ask(op="load", job=3, gpu=[8, 9, 10, 11], slots=src)["ok"]
+    manager.complete_load(keys, ctx)
+    assert ranks[1].ask(op="digest", blocks=[8, 9, 10, 11]) == want
+
+
+def test_the_region_is_removed_when_the_scheduler_shuts_down(region_dir):
+    settings = kv.Settings(num_blocks=2, region_path=str(region_dir / "region"))
+    manager = kv.KvtierOffloadingManager(settings, prefault_threads=1)
+    assert os.path.exists(settings.region_path)
+    manager.shutdown()
+    assert not os.path.exists(settings.region_path)
+    manager.shutdown()  # a second shutdown is a no-op
+    with pytest.raises(kvtier.KvtierError, match="shut down"):
+        manager.lookup(b"k", base.ReqContext(req_id="x"))

@@ -1,0 +1,178 @@
+"""vLLM 0.33.0's own factory loads kvtier from the README's config, and bad configs are
+``ValueError``s naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvtier
+import kvtier.vllm as kv
+
+
+def offloading_config(vllm, extra, *, worker_bytes=8192, world=1, rank=0, bpc=1, events=True):
+    """An ``OffloadingConfig`` as vLLM's connector builds it for one KV cache group."""
+    from vllm.v1.kv_offload import config as c
+
+    return c.OffloadingConfig(
+        groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=worker_bytes,
+        enable_kv_cache_events=events,
+        extra_config=extra,
+        engine_id="engine-0",
+        model=c.OffloadingModelConfig(name="test/model", dtype="bfloat16", max_model_len=4096),
+        cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
+        parallel=c.OffloadingParallelConfig(
+            rank=rank,
+            world_size=world,
+            tp_size=world,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def readme_extra(region_dir, tier_dir):
+    """The README's kv_connector_extra_config, with test paths."""
+    return {
+        "spec_name": "KvtierOffloadingSpec",
+        "spec_module_path": "kvtier.vllm",
+        "cpu_bytes_to_use": 64 * 8192,
+        "eviction_policy": "lru",
+        "secondary_tiers": [
+            {"type": "file", "path": str(tier_dir), "capacity_bytes": 256 * 8192}
+        ],
+        "region_dir": str(region_dir),
+    }
+
+
+def test_vllm_is_the_real_one(vllm):
+    assert kv.HAVE_VLLM
+    assert kv.LookupResult is vllm.LookupResult
+    assert issubclass(kv.KvtierOffloadingManager, vllm.base.OffloadingManager)
+    assert issubclass(kv.KvtierOffloadingWorker, vllm.base.OffloadingWorker)
+    assert issubclass(kv.KvtierOffloadingSpec, vllm.base.OffloadingSpec)
+
+
+def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path):
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    config = offloading_config(vllm, readme_extra(region_dir, tmp_path / "tier"))
+    spec = OffloadingSpecFactory.create_spec(config)
+    assert type(spec) is kv.KvtierOffloadingSpec
+    manager = spec.get_manager()
+    try:
+        assert isinstance(manager, vllm.base.OffloadingManager)
+        assert spec.get_manager() is manager
+        assert spec.settings.num_blocks == 64
+        assert manager.config_info()[0]["cpu_num_chunks"] == 64
+        ctx = vllm.ReqContext(req_id="r")
+        with manager.lock:
+            assert manager.on_new_request(ctx).policy is vllm.base.OffloadPolicy.CHUNK_LEVEL
+            key = vllm.make_offload_key(b"\x01" * 32, 0)
+            assert manager.lookup(key, ctx) is vllm.LookupResult.MISS
+            out = manager.prepare_store([key], ctx)
+            assert isinstance(out, vllm.base.PrepareStoreOutput)
+            assert isinstance(out.store_spec, vllm.base.LoadStoreSpec)
+            manager.complete_store(out.keys_to_store, ctx)
+            assert manager.lookup(key, ctx) is vllm.LookupResult.HIT
+            assert manager.get_load_source(key, ctx) == "host"
+            manager.on_request_finished(ctx)
+            manager.on_schedule_end(vllm.ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+            events = list(manager.take_events())
+            assert all(isinstance(e, vllm.base.OffloadingEvent) for e in events)
+            assert [(e.medium, e.removed) for e in events][:1] == [(vllm.Medium.CPU, False)]
+            stats = manager.get_stats()
+            assert "vllm:kv_offload_cpu_cache_usage_perc" in str(stats.data)
+        defs = kv.KvtierOffloadingSpec.build_metric_definitions(config.extra_config)
+        assert "vllm:kv_offload_cpu_allocation_size" in defs
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        ({"cpu_bytes_to_use": None}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 100}, "cpu_bytes_to_use"),
+        ({"eviction_policy": "lfu"}, "eviction_policy"),
+        ({"secondary_tiers": {"type": "file"}}, "secondary_tiers"),
+        ({"secondary_tiers": [{"type": "s3", "path": "/x", "capacity_bytes": 1}]}, "secondary_tiers[0].type"),
+        ({"secondary_tiers": [{"type": "file", "capacity_bytes": 1 << 30}]}, "secondary_tiers[0].path"),
+        ({"secondary_tiers": [{"type": "file", "path": "P"}]}, "secondary_tiers[0].capacity_bytes"),
+        ({"secondary_tiers": [{"type": "file", "path": "P", "capacity_bytes": 1}]}, "secondary_tiers[0].capacity_bytes"),
+        ({"secondary_tiers": [{"type": "file", "path": "P", "capacity_bytes": 1 << 30, "fsync": "often"}]}, "secondary_tiers[0].fsync"),
+        ({"secondary_tiers": [{"type": "file", "path": "P", "capacity_bytes": 1 << 30, "size": 3}]}, "secondary_tiers[0].size"),
+        ({"store_threshold": -1}, "store_threshold"),
+        ({"shutdown_timeout_s": "soon"}, "shutdown_timeout_s"),
+    ],
+)
+def test_a_bad_config_is_a_value_error_naming_the_key(vllm, region_dir, tmp_path, change, names):
+    extra = readme_extra(region_dir, tmp_path / "tier")
+    for key, value in change.items():
+        if value is None:
+            extra.pop(key)
+        else:
+            extra[key] = value
+    for t in extra.get("secondary_tiers", []) if isinstance(extra.get("secondary_tiers"), list) else []:
+        if t.get("path") == "P":
+            t["path"] = str(tmp_path / "p")
+    with pytest.raises(ValueError, match=names.replace("[", r"\[").replace("]", r"\]")) as e:
+        spec = kv.KvtierOffloadingSpec(offloading_config(vllm, extra))
+        spec.get_manager().shutdown()
+    assert isinstance(e.value, kvtier.ConfigError)
+    assert not list(region_dir.iterdir()), "a refused config leaves no region behind"
+
+
+def test_no_kv_bytes_is_a_config_error(vllm, region_dir, tmp_path):
+    with pytest.raises(kvtier.ConfigError, match="worker_kv_bytes_per_block"):
+        kv.KvtierOffloadingSpec(
+            offloading_config(vllm, readme_extra(region_dir, tmp_path), worker_bytes=0)
+        )
+
+
+def test_a_tier_of_another_model_is_not_read(vllm, region_dir, tmp_path):
+    """The file tier records the model and layout; another deployment's tier is refused."""
+    extra = readme_extra(region_dir, tmp_path / "tier")
+    m = kv.KvtierOffloadingSpec(offloading_config(vllm, extra)).get_manager()
+    m.shutdown()
+    other = offloading_config(vllm, extra, worker_bytes=4096)
+    with pytest.raises(kvtier.TierError, match="identity|model|layout"):
+        kv.KvtierOffloadingSpec(other).get_manager()
+
+
+def test_works_without_vllm(tmp_path):
+    """Without vLLM the package imports and works on its own types."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+assert not any("vllm" in p for p in sys.path), sys.path
+import kvtier.vllm as kv
+from kvtier._standalone import ReqContext
+assert not kv.HAVE_VLLM
+m = kv.KvtierOffloadingManager(kv.Settings(num_blocks=2, region_path={str(tmp_path / "r")!r}))
+ctx = ReqContext(req_id="a")
+m.on_new_request(ctx)
+keys = [b"k1", b"k2", b"k3"]
+out = m.prepare_store(keys[:2], ctx)
+assert out.keys_to_store == keys[:2] and list(out.store_spec.block_ids) == [0, 1]
+m.complete_store(out.keys_to_store, ctx)
+assert m.lookup(b"k1", ctx) is kv.LookupResult.HIT
+assert m.lookup(b"k3", ctx) is kv.LookupResult.MISS
+assert m.prepare_store([b"k3"], ctx).evicted_keys == [b"k1"]
+m.shutdown()
+print("standalone ok")
+"""
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert "standalone ok" in out.stdout

@@ -1,0 +1,188 @@
+"""Tiering through vLLM's calls: a file tier below the primary, promotions, persistence.
+
+Each scenario drives the manager as vLLM's scheduler does and moves the bytes with a worker
+handler on host buffers, so every block served is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import kvtier.vllm as kv
+from vllm.v1.kv_offload import base
+
+from test_worker import copied, kv_caches
+
+PAGE = 4096
+END = base.ScheduleEndContext(new_req_ids=[], preempted_req_ids=[])
+
+
+class Node:
+    """A manager with one file tier, and one rank's handler."""
+
+    def __init__(self, region_dir, tier_dir, caches, *, slots=4, tier_blocks=64, policy="lru"):
+        self.settings = kv.Settings(
+            num_blocks=slots,
+            region_path=str(region_dir / "region"),
+            block_bytes_per_worker=PAGE,
+            policy=policy,
+            tiers=(
+                {"type": "file", "path": str(tier_dir), "capacity_bytes": tier_blocks * PAGE},
+            ),
+            identity="test/model",
+        )
+        self.manager = kv.KvtierOffloadingManager(self.settings, prefault_threads=1)
+        self.worker = kv.KvtierOffloadingWorker(caches, self.settings)
+        self.jobs = 0
+        self.requests = 0
+
+    def request(self):
+        self.requests += 1
+        ctx = base.ReqContext(req_id=f"req-{self.requests}")
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def transfer(self, submit, a, b):
+        self.jobs += 1
+        assert submit(self.jobs, a, b)
+        self.worker.wait({self.jobs})
+        (r,) = self.worker.get_finished()
+        return r.success
+
+    def store(self, keys, gpu_ids):
+        ctx = self.request()
+        out = self.manager.prepare_store(keys, ctx)
+        ok = self.transfer(
+            self.worker.submit_store,
+            base.GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]),
+            out.store_spec,
+        )
+        self.manager.complete_store(out.keys_to_store, ctx, success=ok)
+        self.manager.on_request_finished(ctx)
+        self.manager.on_schedule_end(END)
+        return out
+
+    def settle(self):
+        """Steps until no tier IO is in flight."""
+        deadline = time.monotonic() + 10
+        while self.manager.has_pending_work():
+            assert time.monotonic() < deadline, "tier IO did not end"
+            self.manager.on_schedule_end(END)
+            time.sleep(0.001)
+
+    def lookup_until_settled(self, key, ctx):
+        """Looks `key` up, stepping while it is pending (a promotion in flight)."""
+        deadline = time.monotonic() + 10
+        seen = []
+        while True:
+            r = self.manager.lookup(key, ctx)
+            seen.append(r)
+            if r in (kv.LookupResult.HIT, kv.LookupResult.MISS):
+                return r, seen
+            assert time.monotonic() < deadline, f"{key!r} still {r}"
+            self.manager.on_schedule_end(END)
+            time.sleep(0.001)
+
+    def load(self, keys, gpu_ids, ctx):
+        src = self.manager.prepare_load(keys, ctx)
+        ok = self.transfer(
+            self.worker.submit_load, src, base.GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0])
+        )
+        self.manager.complete_load(keys, ctx)
+        return ok
+
+    def close(self):
+        self.worker.shutdown()
+        self.manager.shutdown()
+
+
+def test_an_evicted_block_comes_back_from_the_file_tier(region_dir, tmp_path):
+    caches = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(3))
+    node = Node(region_dir, tmp_path / "tier", caches)
+    try:
+        keys = [f"block-{i}".encode() for i in range(8)]
+        want = {k: copied(caches, 0, i) for i, k in enumerate(keys)}
+        # Eight blocks through a primary of four: the first four are evicted to make room,
+        # after their cascade to the file tier.
+        node.store(keys[:4], [0, 1, 2, 3])
+        node.settle()
+        out = node.store(keys[4:], [4, 5, 6, 7])
+        assert sorted(out.evicted_keys) == sorted(keys[:4])
+        node.settle()
+        assert node.manager.stats()["tiers"][0]["blocks"] == 8
+        events = list(node.manager.take_events())
+        stored = [k for e in events if e.medium is kv.Medium.STORAGE and not e.removed for k in e.keys]
+        assert sorted(stored) == sorted(keys)
+        # block-0 is a miss in the primary, a promotion from the tier, then a hit.
+        ctx = node.request()
+        result, seen = node.lookup_until_settled(keys[0], ctx)
+        assert result is kv.LookupResult.HIT and seen[0] is kv.LookupResult.HIT_PENDING
+        assert node.manager.get_load_source(keys[0], ctx) == "disk"
+        caches.tensors[0].tensor[12] = 0
+        assert node.load([keys[0]], [12], ctx)
+        assert np.array_equal(copied(caches, 0, 12)[0], want[keys[0]][0])
+        node.manager.on_request_finished(ctx)
+        assert node.manager.stats()["load_pins"] == 0
+    finally:
+        node.close()
+
+
+def test_the_file_tier_survives_a_restart(region_dir, tmp_path):
+    caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(4))
+    keys = [b"persist-a", b"persist-b"]
+    want = [copied(caches, 0, 0), copied(caches, 0, 1)]
+    node = Node(region_dir, tmp_path / "tier", caches)
+    node.store(keys, [0, 1])
+    node.settle()
+    node.close()
+    # A new process' manager: an empty primary, the tier's blocks found on disk.
+    fresh = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(5))
+    node = Node(region_dir, tmp_path / "tier", fresh)
+    try:
+        assert node.manager.stats()["tiers"][0]["blocks"] == 2
+        ctx = node.request()
+        for k in keys:
+            result, seen = node.lookup_until_settled(k, ctx)
+            assert result is kv.LookupResult.HIT and seen[0] is kv.LookupResult.HIT_PENDING
+        assert node.load(keys, [6, 7], ctx)
+        assert np.array_equal(copied(fresh, 0, 6)[0], want[0][0])
+        assert np.array_equal(copied(fresh, 0, 7)[0], want[1][0])
+    finally:
+        node.close()
+
+
+def test_reset_cache_holds_promotions_until_flushed(region_dir, tmp_path):
+    caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(6))
+    node = Node(region_dir, tmp_path / "tier", caches)
+    try:
+        node.store([b"r"], [0])
+        node.settle()
+        node.manager.reset_cache()
+        ctx = node.request()
+        # The primary forgot the block; the tier keeps it, but no promotion starts before
+        # vLLM says the workers flushed (their writes to freed slots could race it).
+        assert node.manager.lookup(b"r", ctx) is kv.LookupResult.MISS
+        node.manager.on_reset_flushed()
+        result, _ = node.lookup_until_settled(b"r", ctx)
+        assert result is kv.LookupResult.HIT
+    finally:
+        node.close()
+
+
+def test_a_failed_store_never_cascades(region_dir, tmp_path):
+    caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(7))
+    node = Node(region_dir, tmp_path / "tier", caches)
+    try:
+        ctx = node.request()
+        out = node.manager.prepare_store([b"bad"], ctx)
+        node.manager.complete_store(out.keys_to_store, ctx, success=False)
+        node.manager.on_schedule_end(END)
+        node.settle()
+        assert node.manager.stats()["tiers"][0]["blocks"] == 0
+        assert node.manager.lookup(b"bad", ctx) is kv.LookupResult.MISS
+        events = list(node.manager.take_events())
+        assert all(e.metadata_only for e in events if e.removed)
+    finally:
+        node.close()
