@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Every test of kvtier, on a fresh machine: installs what the tests need beyond cargo (the
-# vLLM 0.33.0 oracle, cached outside the clone, once per machine), then runs the workspace's
-# tests, and the exhaustive stateright check in a release build (its closure of 7.3 million
-# states takes about 11 minutes there; the test profile would take several times that, so it
-# skips it). Extra arguments go to `cargo test`.
+# Every test of kvtier, on a fresh machine: installs what the tests need beyond cargo, cached
+# outside the clone once per machine (the vLLM 0.33.0 oracle; a Python venv with maturin,
+# pytest and numpy), then runs
+#   1. the workspace's tests;
+#   2. the exhaustive stateright check in a release build (its closure of 7.3 million states
+#      takes about 11 minutes there; the test profile would take several times that, so it
+#      skips it);
+#   3. the Python package: `pip install ./py` into the venv (the README's install command),
+#      then its pytest suite against vLLM 0.33.0's own classes.
+# Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/vllm-oracle-setup.sh >/dev/null
+venv=$(bash scripts/py-setup.sh)
 cargo test --workspace "$@"
-exec cargo test --release -p kvtier-model --test stateright "$@"
+cargo test --release -p kvtier-model --test stateright "$@"
+echo "== the Python package (pip install ./py, then pytest py/tests)" >&2
+PATH="$venv/bin:$PATH" "$venv/bin/pip" install --quiet --disable-pip-version-check --no-build-isolation \
+    --force-reinstall --no-deps ./py
+exec "$venv/bin/python" -m pytest -q py/tests

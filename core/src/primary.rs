@@ -395,6 +395,13 @@ impl Primary {
         slot.state == SlotState::Ready && slot.load_pins == 0 && slot.job_pins == 0
     }
 
+    /// The slots that the last admission (a store's or a promotion's) freed by evicting,
+    /// in the order of its evicted keys; stale until the next admission that evicts. An
+    /// embedding uses it to pair the evicted keys of a store with what it kept per slot.
+    pub fn last_evicted_slots(&self) -> impl ExactSizeIterator<Item = SlotId> + '_ {
+        self.victims.iter().map(|&v| SlotId(v))
+    }
+
     /// Offered keys the reuse filter left out of stores (P17), since the start.
     pub fn stores_skipped(&self) -> u64 {
         self.stores_skipped

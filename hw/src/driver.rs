@@ -446,6 +446,9 @@ impl Driver {
 
     /// Applies every completion that has arrived, without waiting.
     pub fn poll(&mut self) {
+        if self.in_flight() == 0 {
+            return; // nothing can complete (and the queue's lock is not taken)
+        }
         self.engine.poll(&self.done);
         let mut batch = Vec::new();
         self.done.drain_into(&mut batch);

@@ -9,7 +9,7 @@ Requests run one at a time, each with the call sequence vLLM 0.33's offloading s
 makes for a request that is prefilled in one step and finishes (no GPU prefix-cache hits, all
 transfers completing before the next step):
 
-    on_new_request(ctx); ctx.set_offload_key_position(key, end) for every key
+    ctx.set_offload_key_position(key, end) for every key (before the clock); on_new_request(ctx)
     step 1 (get_num_new_matched_tokens):
         lookup(key) from the first key on, stopping at the first MISS
         any HIT_PENDING or RETRY before it: defer -> on_schedule_end, look up again next step
@@ -71,15 +71,29 @@ def request_keys(vllm, requests: list[list[int]]) -> list[list[bytes]]:
     return [[key(i) for i in ids] for ids in requests]
 
 
-def replay(vllm, requests: list[list[bytes]], num_blocks: int, policy: str, block_tokens: int):
+def replay(
+    vllm,
+    requests: list[list[bytes]],
+    num_blocks: int,
+    policy: str,
+    block_tokens: int,
+    make_manager=None,
+):
     """Replays the requests' keys; returns the totals and the nanoseconds the loop took.
+
+    The manager is vLLM's ``CPUOffloadingManager``, or ``make_manager(num_blocks, policy)``:
+    any manager with vLLM's interface gets the same calls (``py/bench/manager_bench.py``
+    times kvtier's this way).
 
     The clock covers the loop of manager calls only: the manager is made before it and the
     keys are built by ``request_keys``. A *block operation* is one key passed to ``lookup``,
     ``prepare_load``, ``complete_load``, ``prepare_store`` or ``complete_store``
     (``block_ops``), counted as ``kvtier_model::replay`` counts them.
     """
-    m = vllm.CPUOffloadingManager(num_chunks=num_blocks, cache_policy=policy)
+    if make_manager is None:
+        m = vllm.CPUOffloadingManager(num_chunks=num_blocks, cache_policy=policy)
+    else:
+        m = make_manager(num_blocks, policy)
     LookupResult = vllm.LookupResult
     MISS, RETRY, HIT_PENDING = LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING
     step_end = vllm.ScheduleEndContext
@@ -93,14 +107,20 @@ def replay(vllm, requests: list[list[bytes]], num_blocks: int, policy: str, bloc
         "deferrals": 0,
         "block_ops": 0,
     }
+    # The scheduler records each key's position in the request's context; that is its work,
+    # not the manager's, so the contexts are made before the clock starts.
+    contexts = []
+    for n, keys in enumerate(requests):
+        ctx = ReqContext(req_id=f"req-{n}")
+        for index, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (index + 1) * block_tokens)
+        contexts.append(ctx)
     start = time.perf_counter_ns()
     for n, keys in enumerate(requests):
-        req_id = f"req-{n}"
-        ctx = ReqContext(req_id=req_id)
+        ctx = contexts[n]
+        req_id = ctx.req_id
         with m.lock:
             m.on_new_request(ctx)
-            for index, k in enumerate(keys):
-                ctx.set_offload_key_position(k, (index + 1) * block_tokens)
 
             new_req_ids = [req_id]
             for _ in range(MAX_DEFERRALS):

@@ -27,7 +27,16 @@ use crate::errors;
 
 /// `prepare_store`'s answer: the keys to store (the caller's objects), their slots, and the
 /// evicted keys.
-type StoreAnswer<'py> = (Bound<'py, PyList>, Vec<u32>, Bound<'py, PyList>);
+type StoreAnswer<'py> = (Bound<'py, PyList>, Bound<'py, PyBytes>, Bound<'py, PyList>);
+
+/// Slot ids as packed native-endian `int32`s (numpy reads them without a Python list).
+fn packed_slots<'py>(py: Python<'py>, slots: &[kvtier_core::SlotId]) -> Bound<'py, PyBytes> {
+    let mut b = Vec::with_capacity(slots.len() * 4);
+    for s in slots {
+        b.extend_from_slice(&(s.0 as i32).to_ne_bytes());
+    }
+    PyBytes::new(py, &b)
+}
 
 /// One event: the tier (-1 for the primary), the kind (0 stored, 1 removed, 2 discarded) and
 /// the keys.
@@ -51,6 +60,18 @@ struct Inner {
     promoted: HashMap<RequestId, HashSet<Key>>,
     keys: Vec<Key>,
     shutdown_timeout: Duration,
+    /// Per slot, the key object its block was stored with (to answer evictions with it).
+    objects: Vec<Option<Py<PyAny>>>,
+    /// The keys of the last `prepare_store` answer and the list it answered them in (a
+    /// `complete_store` of that list needs no new keys).
+    stored: Option<(Py<PyList>, Vec<Key>)>,
+    /// Requests that stored or loaded a key before its position was recorded: their
+    /// positions are read again when they finish.
+    unpositioned: HashSet<RequestId>,
+    /// The request context of the last call and its id: consecutive calls for one request
+    /// (a lookup per block) skip reading and hashing its `req_id`. Holding the object keeps
+    /// its address from being reused.
+    last: Option<(Py<PyAny>, RequestId)>,
 }
 
 impl Inner {
@@ -66,7 +87,7 @@ impl Inner {
     fn begin(
         &mut self,
         keys: &mut Vec<Key>,
-        id: &Bound<'_, PyString>,
+        ctx: &Bound<'_, PyAny>,
         items: &[Bound<'_, PyAny>],
         positions: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<RequestId> {
@@ -74,18 +95,39 @@ impl Inner {
         for item in items {
             keys.push(key_of(item)?);
         }
-        let req = self.request(id.to_str()?);
-        let driver = self.driver()?;
-        if let Some(positions) = positions.filter(|p| !p.is_empty()) {
-            for (item, key) in items.iter().zip(keys.iter()) {
-                if let Some(v) = positions.get_item(item)?
-                    && let Ok(end) = v.extract::<u64>()
-                {
-                    driver.set_position(req, key, end);
+        let req = self.request_of(ctx)?;
+        let driver = self
+            .driver
+            .as_mut()
+            .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))?;
+        let mut all = true;
+        match positions.filter(|p| !p.is_empty()) {
+            Some(positions) => {
+                for (item, key) in items.iter().zip(keys.iter()) {
+                    match positions.get_item(item)?.map(|v| v.extract::<u64>()) {
+                        Some(Ok(end)) => driver.set_position(req, key, end),
+                        _ => all = false,
+                    }
                 }
             }
+            None => all = items.is_empty(),
+        }
+        if !all {
+            self.unpositioned.insert(req);
         }
         Ok(req)
+    }
+
+    /// The core's id of the request of `ctx` (vLLM's `ReqContext`).
+    fn request_of(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestId> {
+        if let Some((last, id)) = &self.last
+            && last.as_ptr() == ctx.as_ptr()
+        {
+            return Ok(*id);
+        }
+        let id = self.request(req_id(ctx)?.to_str()?);
+        self.last = Some((ctx.clone().unbind(), id));
+        Ok(id)
     }
 
     /// The core's id of vLLM's request `req_id`, made at its first mention.
@@ -321,6 +363,10 @@ impl Manager {
                 promoted: HashMap::new(),
                 keys: Vec::new(),
                 shutdown_timeout: Duration::from_secs_f64(shutdown_timeout_s),
+                last: None,
+                unpositioned: HashSet::new(),
+                objects: (0..num_blocks).map(|_| None).collect(),
+                stored: None,
             }),
             answers,
             region_path,
@@ -354,10 +400,9 @@ impl Manager {
         key: &Bound<'_, PyBytes>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        let id = req_id(req_context)?;
         let key = Key::new(key.as_bytes());
         let mut inner = self.lock(py);
-        let req = inner.request(id.to_str()?);
+        let req = inner.request_of(req_context)?;
         let driver = inner.driver()?;
         let answer = driver.lookup(req, &key);
         let i = match answer {
@@ -396,30 +441,29 @@ impl Manager {
 
     /// vLLM's `on_new_request`.
     fn on_new_request(&self, py: Python<'_>, req_context: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = req_id(req_context)?;
         let mut inner = self.lock(py);
-        let req = inner.request(id.to_str()?);
+        let req = inner.request_of(req_context)?;
         inner.driver()?.new_request(req);
         Ok(())
     }
 
-    /// vLLM's `prepare_load`: pins the blocks and answers their slots, in order.
-    fn prepare_load(
+    /// vLLM's `prepare_load`: pins the blocks and answers their slots, in order, as packed
+    /// `int32`s.
+    fn prepare_load<'py>(
         &self,
-        py: Python<'_>,
-        keys: &Bound<'_, PyAny>,
-        req_context: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<u32>> {
-        let id = req_id(req_context)?;
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        req_context: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let items = items(keys)?;
         let positions = positions(req_context);
         let mut inner = self.lock(py);
         let mut k = std::mem::take(&mut inner.keys);
         let out = inner
-            .begin(&mut k, &id, &items, positions.as_ref())
+            .begin(&mut k, req_context, &items, positions.as_ref())
             .and_then(|req| inner.driver()?.prepare_load(req, &k).map_err(errors::hw));
         inner.keys = k;
-        Ok(out?.into_iter().map(|s| s.0).collect())
+        Ok(packed_slots(py, &out?))
     }
 
     /// vLLM's `touch(keys, req_context)`.
@@ -431,7 +475,7 @@ impl Manager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(py, keys, |driver, _, k| {
+        self.with_keys(py, keys, |driver, k| {
             driver.touch(k);
             Ok(())
         })
@@ -446,26 +490,26 @@ impl Manager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(py, keys, |driver, _, k| {
+        self.with_keys(py, keys, |driver, k| {
             driver.complete_load(k).map_err(errors::hw)
         })
     }
 
     /// vLLM's `prepare_store`: `None` when the blocks cannot be stored (no room), else
-    /// `(keys_to_store, slots, evicted_keys)`; `keys_to_store` are the caller's own objects.
+    /// `(keys_to_store, slots, evicted_keys)`; `keys_to_store` are the caller's own objects
+    /// and `slots` are packed `int32`s.
     fn prepare_store<'py>(
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         req_context: &Bound<'py, PyAny>,
     ) -> PyResult<Option<StoreAnswer<'py>>> {
-        let id = req_id(req_context)?;
         let items = items(keys)?;
         let positions = positions(req_context);
         let mut inner = self.lock(py);
         let mut k = std::mem::take(&mut inner.keys);
         let out = inner
-            .begin(&mut k, &id, &items, positions.as_ref())
+            .begin(&mut k, req_context, &items, positions.as_ref())
             .and_then(|req| Ok(inner.driver()?.prepare_store(req, &k)));
         let out = match out {
             Ok(out) => out,
@@ -488,26 +532,47 @@ impl Manager {
         // The keys to store are a subsequence of the input, in input order.
         let to_store = PyList::empty(py);
         let mut next = 0;
-        for key in &prepared.keys {
+        let inner = &mut *inner;
+        for (key, slot) in prepared.keys.iter().zip(&prepared.slots) {
             while next < k.len() && &k[next] != key {
                 next += 1;
             }
-            match items.get(next) {
-                Some(obj) => to_store.append(obj)?,
-                None => to_store.append(PyBytes::new(py, key.as_bytes()))?,
-            }
+            let obj = match items.get(next) {
+                Some(obj) => obj.clone(),
+                None => PyBytes::new(py, key.as_bytes()).into_any(),
+            };
+            to_store.append(&obj)?;
+            inner.objects[slot.index()] = Some(obj.unbind());
             next += 1;
         }
         inner.keys = k;
+        // An evicted key is answered with the object it was stored with, when the slot
+        // still holds it (a promotion's slot holds none).
         let evicted = PyList::empty(py);
-        for key in &prepared.evicted {
-            evicted.append(PyBytes::new(py, key.as_bytes()))?;
+        let driver = inner.driver.as_ref().expect("checked by begin");
+        let victims = driver.manager().primary().last_evicted_slots();
+        let paired = victims.len() == prepared.evicted.len();
+        for (key, slot) in prepared
+            .evicted
+            .iter()
+            .zip(victims.map(Some).chain(std::iter::repeat(None)))
+        {
+            let kept = slot
+                .filter(|_| paired)
+                .and_then(|s| inner.objects[s.index()].as_ref())
+                .map(|o| o.bind(py))
+                .filter(|o| {
+                    o.cast::<PyBytes>()
+                        .is_ok_and(|b| b.as_bytes() == key.as_bytes())
+                });
+            match kept {
+                Some(o) => evicted.append(o)?,
+                None => evicted.append(PyBytes::new(py, key.as_bytes()))?,
+            }
         }
-        Ok(Some((
-            to_store,
-            prepared.slots.iter().map(|s| s.0).collect(),
-            evicted,
-        )))
+        let slots = packed_slots(py, &prepared.slots);
+        inner.stored = Some((to_store.clone().unbind(), prepared.keys));
+        Ok(Some((to_store, slots, evicted)))
     }
 
     /// vLLM's `complete_store(keys, req_context, success=True)`.
@@ -520,29 +585,60 @@ impl Manager {
         success: bool,
     ) -> PyResult<()> {
         let id = req_id(req_context)?;
-        self.with_keys(py, keys, |driver, requests, k| {
-            // A completion may come after the request finished: it names no record then.
-            let req = requests
-                .get(id.to_str()?)
-                .copied()
-                .unwrap_or(RequestId(u64::MAX));
+        let mut inner = self.lock(py);
+        // A completion may come after the request finished: it names no record then.
+        let req = inner
+            .requests
+            .get(id.to_str()?)
+            .copied()
+            .unwrap_or(RequestId(u64::MAX));
+        // The list `prepare_store` answered, unchanged: its keys are made already.
+        if let Some((list, stored)) = inner.stored.take() {
+            let same = list.as_ptr() == keys.as_ptr()
+                && keys.cast::<PyList>().is_ok_and(|l| {
+                    l.len() == stored.len()
+                        && l.iter().zip(&stored).all(|(o, k)| {
+                            o.cast::<PyBytes>()
+                                .is_ok_and(|b| b.as_bytes() == k.as_bytes())
+                        })
+                });
+            if same {
+                inner.driver()?.complete_store(req, &stored, success);
+                return Ok(());
+            }
+        }
+        drop(inner);
+        self.with_keys(py, keys, |driver, k| {
             driver.complete_store(req, k, success);
             Ok(())
         })
     }
 
-    /// vLLM's `on_request_finished`: the request's key positions (read from
-    /// `req_context._offload_key_positions`) order its blocks' recency.
+    /// vLLM's `on_request_finished`: the request's key positions (from
+    /// `req_context._offload_key_positions`, sent with its stores and loads) order its
+    /// blocks' recency.
     fn on_request_finished(&self, py: Python<'_>, req_context: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = req_id(req_context)?;
         let positions = positions(req_context);
         let mut inner = self.lock(py);
+        if inner
+            .last
+            .as_ref()
+            .is_some_and(|(last, _)| last.as_ptr() == req_context.as_ptr())
+        {
+            inner.last = None;
+        }
         let Some(req) = inner.requests.remove(id.to_str()?) else {
             return Ok(());
         };
         inner.promoted.remove(&req);
+        // vLLM records a key's position when it makes the key, before any call names it, and
+        // never changes it: the positions sent with the request's stores and loads are the
+        // ones vLLM's policies read now. Only a request that named a key before its position
+        // was recorded has its positions read again.
+        let reread = inner.unpositioned.remove(&req);
         let driver = inner.driver()?;
-        if let Some(positions) = positions {
+        if let Some(positions) = positions.filter(|_| reread) {
             for (k, v) in positions.iter() {
                 let (Ok(k), Ok(v)) = (k.cast::<PyBytes>(), v.extract::<u64>()) else {
                     continue;
@@ -674,13 +770,12 @@ impl Manager {
 }
 
 impl Manager {
-    /// Runs `f` on the driver, the request ids and the keys of `keys` (in the reused scratch
-    /// vector).
+    /// Runs `f` on the driver and the keys of `keys` (in the reused scratch vector).
     fn with_keys<R>(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
-        f: impl FnOnce(&mut Driver, &HashMap<String, RequestId>, &[Key]) -> PyResult<R>,
+        f: impl FnOnce(&mut Driver, &[Key]) -> PyResult<R>,
     ) -> PyResult<R> {
         let mut inner = self.lock(py);
         let mut k = std::mem::take(&mut inner.keys);
@@ -690,7 +785,7 @@ impl Manager {
                 .driver
                 .as_mut()
                 .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))?;
-            f(driver, &inner.requests, &k)
+            f(driver, &k)
         });
         inner.keys = k;
         out

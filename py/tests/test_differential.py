@@ -93,6 +93,7 @@ def test_same_answers_as_vllm(vllm, region_dir, policy, seed):
     contexts: dict[str, object] = {}  # every request, for completions after it finished
     loads: list[tuple[str, list[bytes]]] = []
     stores: list[tuple[str, list[bytes]]] = []
+    late: list[tuple[object, bytes, int]] = []  # positions recorded after the key was used
     n = 0
     try:
         for _ in range(OPS):
@@ -123,6 +124,16 @@ def test_same_answers_as_vllm(vllm, region_dir, policy, seed):
                     loads.append((req, hits))
             elif op < 0.55:
                 chosen = keys[rng.randrange(len(keys)) :]
+                if rng.random() < 0.15:
+                    # A key the request has no position for (yet): vLLM's policies rank it
+                    # by call order, and read its position at the request's end if it has
+                    # one by then.
+                    extra = rng.choice(key)
+                    if extra not in chosen:
+                        chosen = chosen + [extra]
+                        # vLLM records a key's position once, when it makes the key.
+                        if ctx.get_offload_key_position(extra) is None and rng.random() < 0.5:
+                            late.append((ctx, extra, 16 * (len(keys) + 1)))
                 out = pair.both("prepare_store", chosen, ctx, compare=store_answer)
                 if out and out[0]:
                     stores.append((req, out[0]))
@@ -132,6 +143,9 @@ def test_same_answers_as_vllm(vllm, region_dir, policy, seed):
             elif op < 0.78 and loads:
                 r, ks = loads.pop(rng.randrange(len(loads)))
                 pair.both("complete_load", ks, contexts[r])
+            elif op < 0.80 and late:
+                c, k, end = late.pop()
+                c.set_offload_key_position(k, end)  # one context, seen by both managers
             elif op < 0.82:
                 pair.both("touch", rng.sample(keys, rng.randint(1, len(keys))), ctx)
             elif op < 0.88:

@@ -81,6 +81,13 @@ class KvtierLoadStoreSpec(_base.BlockIDsLoadStoreSpec):
     def chunk_ids(self) -> np.ndarray:
         return self.block_ids
 
+    @classmethod
+    def _packed(cls, slots: bytes) -> KvtierLoadStoreSpec:
+        """The spec of slots packed as native-endian int32s (the core's answer)."""
+        spec = cls.__new__(cls)
+        spec.block_ids = np.frombuffer(slots, dtype=np.int32)
+        return spec
+
 
 def _page_align(n: int) -> int:
     return -(-n // PAGE) * PAGE
@@ -280,7 +287,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[bytes], req_context: Any) -> KvtierLoadStoreSpec:
-        return KvtierLoadStoreSpec(self._native.prepare_load(keys, req_context))
+        return KvtierLoadStoreSpec._packed(self._native.prepare_load(keys, req_context))
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
         self._native.touch(keys)
@@ -295,7 +302,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         keys_to_store, slots, evicted = out
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,
-            store_spec=KvtierLoadStoreSpec(slots),
+            store_spec=KvtierLoadStoreSpec._packed(slots),
             evicted_keys=evicted,
         )
 
