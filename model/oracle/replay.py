@@ -9,7 +9,7 @@ Requests run one at a time, each with the call sequence vLLM 0.33's offloading s
 makes for a request that is prefilled in one step and finishes (no GPU prefix-cache hits, all
 transfers completing before the next step):
 
-    ctx.set_offload_key_position(key, end) for every key (before the clock); on_new_request(ctx)
+    on_new_request(ctx); ctx.set_offload_key_position(key, end) for every key
     step 1 (get_num_new_matched_tokens):
         lookup(key) from the first key on, stopping at the first MISS
         any HIT_PENDING or RETRY before it: defer -> on_schedule_end, look up again next step
@@ -107,20 +107,14 @@ def replay(
         "deferrals": 0,
         "block_ops": 0,
     }
-    # The scheduler records each key's position in the request's context; that is its work,
-    # not the manager's, so the contexts are made before the clock starts.
-    contexts = []
-    for n, keys in enumerate(requests):
-        ctx = ReqContext(req_id=f"req-{n}")
-        for index, k in enumerate(keys):
-            ctx.set_offload_key_position(k, (index + 1) * block_tokens)
-        contexts.append(ctx)
     start = time.perf_counter_ns()
     for n, keys in enumerate(requests):
-        ctx = contexts[n]
-        req_id = ctx.req_id
+        req_id = f"req-{n}"
+        ctx = ReqContext(req_id=req_id)
         with m.lock:
             m.on_new_request(ctx)
+            for index, k in enumerate(keys):
+                ctx.set_offload_key_position(k, (index + 1) * block_tokens)
 
             new_req_ids = [req_id]
             for _ in range(MAX_DEFERRALS):

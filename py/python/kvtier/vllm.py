@@ -63,6 +63,9 @@ __all__ = [
     "Settings",
 ]
 
+_INT32 = np.dtype(np.int32)
+_frombuffer = np.frombuffer
+
 #: The page every sub-slot of the region is aligned to.
 PAGE = 4096
 
@@ -85,7 +88,7 @@ class KvtierLoadStoreSpec(_base.BlockIDsLoadStoreSpec):
     def _packed(cls, slots: bytes) -> KvtierLoadStoreSpec:
         """The spec of slots packed as native-endian int32s (the core's answer)."""
         spec = cls.__new__(cls)
-        spec.block_ids = np.frombuffer(slots, dtype=np.int32)
+        spec.block_ids = _frombuffer(slots, _INT32)
         return spec
 
 
