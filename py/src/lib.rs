@@ -1,12 +1,12 @@
 //! `kvtier._native`: the Rust half of the Python package `kvtier`.
 //!
-//! - [`Manager`](manager::Manager): the scheduler side, a [`kvtier_hw::Driver`] whose GPU ↔
+//! - `Manager` (`src/manager.rs`): the scheduler side, a [`kvtier_hw::Driver`] whose GPU ↔
 //!   CPU copies are done by the inference engine's workers; vLLM 0.33's `OffloadingManager`
 //!   calls map one to one onto its methods (`kvtier/vllm.py` adapts the shapes).
-//! - [`Worker`](worker::Worker): one tensor-parallel rank's transfer handler, copying between
+//! - `Worker` (`src/worker.rs`): one tensor-parallel rank's transfer handler, copying between
 //!   the engine's KV tensors and the rank's sub-slots of the shared region.
 //!
-//! Errors become the typed exceptions of [`errors`]: a bad setting is a `ValueError` naming it,
+//! Errors become the typed exceptions of `src/errors.rs`: a bad setting is a `ValueError` naming it,
 //! a refused call leaves the state as it was.
 
 mod errors;
