@@ -30,6 +30,7 @@ use crate::engine::{
 };
 use crate::region::{Region, RegionError};
 use api::Api;
+use kvtier_core::SlotId;
 
 /// Whether the CUDA driver library can be loaded on this machine.
 pub fn driver_present() -> bool {
@@ -43,31 +44,53 @@ fn gpu(what: &str, e: DriverError) -> EngineError {
     EngineError::Gpu(format!("{what}: {:?}", e.0))
 }
 
-/// The checks of [`CudaEngine::new`] that need no driver.
+/// The checks of [`CudaEngine::new`] that need no driver: `worker` is one of the region's,
+/// and the device ranges are non-empty, do not overflow and do not overlap. Answers the
+/// ranges sorted by address.
 fn check_arguments(
     region: &Region,
     worker: u16,
-    device_base: u64,
-    device_bytes: usize,
-) -> Result<(), EngineError> {
+    ranges: &[(u64, usize)],
+) -> Result<Vec<(u64, usize)>, EngineError> {
     let workers = region.layout().workers;
     if worker >= workers {
         return Err(EngineError::NoSuchWorker { worker, workers });
     }
-    let refuse = |reason: &str| EngineError::DeviceMemory {
-        base: device_base,
-        bytes: device_bytes,
-        reason: reason.into(),
-    };
-    if device_bytes == 0 {
-        return Err(refuse(
-            "an engine needs device memory, and this range has no bytes",
-        ));
+    if ranges.is_empty() {
+        return Err(EngineError::DeviceMemory {
+            base: 0,
+            bytes: 0,
+            reason: "an engine needs device memory, and no range was given".into(),
+        });
     }
-    if device_base.checked_add(device_bytes as u64).is_none() {
-        return Err(refuse("the range runs past the end of the address space"));
+    for &(base, bytes) in ranges {
+        let refuse = |reason: &str| EngineError::DeviceMemory {
+            base,
+            bytes,
+            reason: reason.into(),
+        };
+        if bytes == 0 {
+            return Err(refuse(
+                "an engine needs device memory, and this range has no bytes",
+            ));
+        }
+        if base.checked_add(bytes as u64).is_none() {
+            return Err(refuse("the range runs past the end of the address space"));
+        }
     }
-    Ok(())
+    let mut sorted = ranges.to_vec();
+    sorted.sort_unstable();
+    for w in sorted.windows(2) {
+        let ((a, n), (b, m)) = (w[0], w[1]);
+        if a + n as u64 > b {
+            return Err(EngineError::DeviceMemory {
+                base: b,
+                bytes: m,
+                reason: format!("the range overlaps the range {a:#x}+{n}"),
+            });
+        }
+    }
+    Ok(sorted)
 }
 
 /// Checks with the driver that `base..base + bytes` is device memory of GPU `ordinal`: every
@@ -295,8 +318,11 @@ pub struct CudaEngine {
     /// The inference engine's compute stream (null: the legacy default stream).
     compute: sys::CUstream,
     worker: u16,
-    device_base: sys::CUdeviceptr,
-    device_bytes: usize,
+    /// The device memory copies may touch: `(base, bytes)` ranges, sorted by address. A
+    /// [`BlockCopy`]'s offset is relative to the first one given.
+    device: Vec<(sys::CUdeviceptr, usize)>,
+    /// The range [`BlockCopy`] offsets are relative to.
+    blocks: (sys::CUdeviceptr, usize),
     /// Dropped after `drop` drained the streams, and before `ctx`.
     registration: Option<Registration>,
     ctx: Arc<Retained>,
@@ -312,7 +338,7 @@ impl std::fmt::Debug for CudaEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaEngine")
             .field("worker", &self.worker)
-            .field("device_bytes", &self.device_bytes)
+            .field("device", &self.device)
             .field("in_flight", &self.in_flight.len())
             .finish()
     }
@@ -343,13 +369,35 @@ impl CudaEngine {
         device_base: u64,
         device_bytes: usize,
     ) -> Result<Self, EngineError> {
-        check_arguments(&region, worker, device_base, device_bytes)?;
+        check_arguments(&region, worker, &[(device_base, device_bytes)])?;
         let api = Arc::new(api::Real::load()?);
         // SAFETY: the caller's contract.
-        unsafe { Self::with_api(api, region, worker, ordinal, device_base, device_bytes) }
+        unsafe { Self::with_api(api, region, worker, ordinal, &[(device_base, device_bytes)]) }
     }
 
-    /// [`new`](Self::new) on the driver `api`.
+    /// An engine for GPU `ordinal` over several device ranges, `(base, bytes)` each: an
+    /// inference engine's KV cache made of several tensors (one per layer or group of
+    /// layers, as vLLM allocates them). Copies name their device bytes by address
+    /// ([`submit_pieces`](Self::submit_pieces)); a [`BlockCopy`]'s offset is relative to the
+    /// first range. The checks of [`new`](Self::new) apply to every range, and ranges may not
+    /// overlap.
+    ///
+    /// # Safety
+    ///
+    /// As for [`new`](Self::new), for every range.
+    pub unsafe fn with_ranges(
+        region: Arc<Region>,
+        worker: u16,
+        ordinal: i32,
+        ranges: &[(u64, usize)],
+    ) -> Result<Self, EngineError> {
+        check_arguments(&region, worker, ranges)?;
+        let api = Arc::new(api::Real::load()?);
+        // SAFETY: the caller's contract.
+        unsafe { Self::with_api(api, region, worker, ordinal, ranges) }
+    }
+
+    /// [`with_ranges`](Self::with_ranges) on the driver `api`.
     ///
     /// # Safety
     /// As for [`new`](Self::new).
@@ -358,10 +406,9 @@ impl CudaEngine {
         region: Arc<Region>,
         worker: u16,
         ordinal: i32,
-        device_base: u64,
-        device_bytes: usize,
+        ranges: &[(u64, usize)],
     ) -> Result<Self, EngineError> {
-        check_arguments(&region, worker, device_base, device_bytes)?;
+        let device = check_arguments(&region, worker, ranges)?;
         api.init().map_err(|e| gpu("cuInit", e))?;
         let dev = api.device(ordinal).map_err(|e| gpu("cuDeviceGet", e))?;
         let ctx = Retained::new(api.clone(), dev)?;
@@ -374,8 +421,8 @@ impl CudaEngine {
             order: None,
             compute: std::ptr::null_mut(),
             worker,
-            device_base,
-            device_bytes,
+            device,
+            blocks: ranges[0],
             registration: None,
             ctx,
             region,
@@ -383,7 +430,9 @@ impl CudaEngine {
         };
         {
             let _current = engine.ctx.enter()?;
-            check_device_memory(&*engine.api, ordinal, device_base, device_bytes)?;
+            for &(base, bytes) in &engine.device {
+                check_device_memory(&*engine.api, ordinal, base, bytes)?;
+            }
             engine.registration = Some(Registration::acquire(&engine.region, &engine.ctx)?);
             let stream = || {
                 engine
@@ -456,55 +505,104 @@ impl CudaEngine {
         }
     }
 
-    /// Where `copy` reads and writes: the offset of its sub-slot in the region and its device
-    /// address, each checked to lie inside its memory (with no overflow on the way).
-    fn locate(&self, copy: &BlockCopy) -> Result<(usize, sys::CUdeviceptr), EngineError> {
+    /// Where a piece of `len` bytes at byte `at` of `slot`'s sub-slot lies in the region,
+    /// checked to lie inside the sub-slot (with no overflow on the way).
+    fn locate_host(&self, slot: SlotId, at: usize, len: usize) -> Result<usize, EngineError> {
         let layout = self.region.layout();
-        let len = layout.block_bytes_per_worker;
         let region_len = self.region.raw_parts().1;
-        let host = (copy.slot.index() < layout.rows as usize)
-            .then(|| copy.slot.index().checked_mul(layout.row_bytes()))
+        (slot.index() < layout.rows as usize)
+            .then(|| slot.index().checked_mul(layout.row_bytes()))
             .flatten()
             .and_then(|row| row.checked_add(self.worker as usize * layout.sub_slot_bytes()))
+            .filter(|_| {
+                at.checked_add(len)
+                    .is_some_and(|end| end <= layout.sub_slot_bytes())
+            })
+            .and_then(|sub| sub.checked_add(at))
             .filter(|h| h.checked_add(len).is_some_and(|end| end <= region_len))
             .ok_or_else(|| {
                 EngineError::Memory(RegionError::OutOfRange {
-                    offset: (copy.slot.index() as u64).saturating_mul(layout.row_bytes() as u64),
+                    offset: (slot.index() as u64)
+                        .saturating_mul(layout.row_bytes() as u64)
+                        .saturating_add(at as u64),
                     len: len as u64,
                     size: region_len as u64,
                 })
-            })?;
+            })
+    }
+
+    /// Whether `device..device + len` lies inside one of the engine's device ranges.
+    fn check_device(&self, device: u64, len: usize) -> Result<(), EngineError> {
+        let inside = self.device.iter().any(|&(base, bytes)| {
+            device >= base
+                && device
+                    .checked_add(len as u64)
+                    .is_some_and(|end| end <= base + bytes as u64)
+        });
+        if inside {
+            return Ok(());
+        }
+        Err(EngineError::DeviceMemory {
+            base: device,
+            bytes: len,
+            reason: "the copy reaches outside the engine's device memory".into(),
+        })
+    }
+
+    /// Where `copy` reads and writes: the offset of its sub-slot in the region and its device
+    /// address, each checked to lie inside its memory (with no overflow on the way).
+    fn locate(&self, copy: &BlockCopy) -> Result<(usize, sys::CUdeviceptr, usize), EngineError> {
+        let len = self.region.layout().block_bytes_per_worker;
+        let host = self.locate_host(copy.slot, 0, len)?;
+        let (base, bytes) = self.blocks;
         if copy
             .device_offset
             .checked_add(len)
-            .is_none_or(|end| end > self.device_bytes)
+            .is_none_or(|end| end > bytes)
         {
             return Err(EngineError::Memory(RegionError::OutOfRange {
                 offset: copy.device_offset as u64,
                 len: len as u64,
-                size: self.device_bytes as u64,
+                size: bytes as u64,
             }));
         }
-        // `device_base + device_bytes` was checked not to overflow in `new`.
-        Ok((host, self.device_base + copy.device_offset as u64))
-    }
-}
-
-impl TransferEngine for CudaEngine {
-    fn name(&self) -> &'static str {
-        "cuda"
+        // `base + bytes` was checked not to overflow in `new`.
+        Ok((host, base + copy.device_offset as u64, len))
     }
 
-    fn submit(&mut self, job: CopyJob, _done: &Completions) -> Result<(), EngineError> {
-        let started = Instant::now();
-        let len = self.region.layout().block_bytes_per_worker;
-        let copies = job
-            .copies
+    /// Starts transfer `id` of `pieces`: each copies `len` bytes between device address
+    /// `device` and byte `at` of `slot`'s sub-slot for this engine's worker (a block of a
+    /// KV cache spread over several tensors is one piece per tensor). Every piece is checked
+    /// to lie inside the engine's device ranges and inside the sub-slot before anything is
+    /// queued; the rest is as [`TransferEngine::submit`].
+    pub fn submit_pieces(
+        &mut self,
+        id: TransferId,
+        direction: Direction,
+        pieces: &[Piece],
+    ) -> Result<(), EngineError> {
+        let copies = pieces
             .iter()
-            .map(|c| self.locate(c))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|p| {
+                let host = self.locate_host(p.slot, p.at, p.len)?;
+                self.check_device(p.device, p.len)?;
+                Ok((host, p.device, p.len))
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        self.queue(id, direction, &copies)
+    }
+
+    /// Queues `copies` (`(region offset, device address, bytes)`, each checked) on the
+    /// direction's stream after the compute stream's work, and an event after them.
+    fn queue(
+        &mut self,
+        id: TransferId,
+        direction: Direction,
+        copies: &[(usize, sys::CUdeviceptr, usize)],
+    ) -> Result<(), EngineError> {
+        let started = Instant::now();
         let base = self.region.raw_parts().0;
-        let stream = match job.direction {
+        let stream = match direction {
             Direction::ToRegion => self.to_region,
             Direction::ToDevice => self.to_device,
         }
@@ -520,13 +618,14 @@ impl TransferEngine for CudaEngine {
             return Err(e);
         }
         let mut failure = None;
-        for (i, &(host, dptr)) in copies.iter().enumerate() {
-            // SAFETY: both ranges were checked above to lie inside the registered region and
-            // the engine's device memory. The slot is owned by this transfer until it is
-            // reported (Pending for a store, load-pinned for a load: I3, I6), which happens
-            // only after its copies ran, so no one else touches the host bytes meanwhile.
+        for (i, &(host, dptr, len)) in copies.iter().enumerate() {
+            // SAFETY: both ranges were checked by the caller to lie inside the registered
+            // region and the engine's device memory. The slot is owned by this transfer until
+            // it is reported (Pending for a store, load-pinned for a load: I3, I6), which
+            // happens only after its copies ran, so no one else touches the host bytes
+            // meanwhile.
             let host = unsafe { base.add(host) };
-            let r = match job.direction {
+            let r = match direction {
                 // SAFETY: as above.
                 Direction::ToRegion => unsafe { self.api.copy_to_host(host, dptr, len, stream) },
                 // SAFETY: as above.
@@ -547,9 +646,9 @@ impl TransferEngine for CudaEngine {
             match unsafe { self.api.event_record(event, stream) } {
                 Ok(()) => {
                     self.in_flight.push_back(InFlight {
-                        id: job.id,
+                        id,
                         end: End::Event { event, stream },
-                        bytes: (len * copies.len()) as u64,
+                        bytes: copies.iter().map(|c| c.2 as u64).sum(),
                         started,
                     });
                     return Ok(());
@@ -570,12 +669,45 @@ impl TransferEngine for CudaEngine {
             error = EngineError::Gpu(format!("{error}; then {e}"));
         }
         self.in_flight.push_back(InFlight {
-            id: job.id,
+            id,
             end: End::Failed(error),
             bytes: 0,
             started,
         });
         Ok(())
+    }
+
+    /// Whether transfers are still in flight.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+}
+
+/// One piece of a [`CudaEngine::submit_pieces`] transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// The primary slot (this engine's worker's sub-slot of its row).
+    pub slot: SlotId,
+    /// Byte offset in the sub-slot.
+    pub at: usize,
+    /// Device address.
+    pub device: u64,
+    /// Bytes to copy.
+    pub len: usize,
+}
+
+impl TransferEngine for CudaEngine {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn submit(&mut self, job: CopyJob, _done: &Completions) -> Result<(), EngineError> {
+        let copies = job
+            .copies
+            .iter()
+            .map(|c| self.locate(c))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.queue(job.id, job.direction, &copies)
     }
 
     fn poll(&mut self, done: &Completions) -> bool {

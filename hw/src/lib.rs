@@ -48,7 +48,10 @@ pub use region::{HostMemory, Layout, PAGE, Region, RegionError, free_bytes, page
 pub use store::{SecondaryStore, StoreError};
 
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaEngine, driver_present as cuda_driver_present};
+pub use cuda::{CudaEngine, Piece, driver_present as cuda_driver_present};
+/// A CUDA stream handle (the driver's `CUstream`), as [`CudaEngine::set_compute_stream`] takes it.
+#[cfg(feature = "cuda")]
+pub use cudarc::driver::sys::CUstream as CudaStream;
 
 /// An error of the hardware layer.
 #[derive(Debug, thiserror::Error)]

@@ -21,6 +21,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvtier_core::SlotId;
@@ -172,6 +173,7 @@ impl Layout {
         };
         l.row_bytes()
             .checked_mul(rows as usize)
+            .and_then(|r| r.checked_add(page_align(rows as usize * workers as usize * 8)))
             .ok_or(RegionError::Layout(
                 "the region does not fit in the address space",
             ))?;
@@ -188,9 +190,20 @@ impl Layout {
         self.sub_slot_bytes() * self.workers as usize
     }
 
-    /// Bytes of the whole region.
-    pub fn total_bytes(&self) -> usize {
+    /// Bytes of the rows: every slot's block.
+    pub fn rows_bytes(&self) -> usize {
         self.row_bytes() * self.rows as usize
+    }
+
+    /// Bytes of the seals after the rows: one 8-byte word per sub-slot (see
+    /// [`Region::seal`]), rounded up to a page.
+    pub fn seal_bytes(&self) -> usize {
+        page_align(self.rows as usize * self.workers as usize * 8)
+    }
+
+    /// Bytes of the whole region: the rows, then the seals.
+    pub fn total_bytes(&self) -> usize {
+        self.rows_bytes() + self.seal_bytes()
     }
 
     /// Offset of `slot`'s sub-slot for `worker`.
@@ -858,6 +871,40 @@ impl Region {
             .with(offset, dst.len(), |src| dst.copy_from_slice(src))
     }
 
+    /// The seal of `worker`'s sub-slot of `slot`: a word that the worker sets, with
+    /// [`set_seal`](Self::set_seal), once a store's copy into the sub-slot is complete. The
+    /// process that hands out the slot writes a fresh value first, and reads the seals back
+    /// before it lets the block be read: a store is complete only if every worker set the
+    /// value it was given for it. Seals are atomic words, written with release and read with
+    /// acquire ordering, so a seal seen set means the sub-slot's bytes before it are seen too.
+    pub fn seal(&self, slot: SlotId, worker: u16) -> Result<u64, RegionError> {
+        Ok(self.seal_word(slot, worker)?.load(Ordering::Acquire))
+    }
+
+    /// Sets the seal of `worker`'s sub-slot of `slot` (see [`seal`](Self::seal)).
+    pub fn set_seal(&self, slot: SlotId, worker: u16, value: u64) -> Result<(), RegionError> {
+        self.seal_word(slot, worker)?
+            .store(value, Ordering::Release);
+        Ok(())
+    }
+
+    fn seal_word(&self, slot: SlotId, worker: u16) -> Result<&AtomicU64, RegionError> {
+        let l = self.layout;
+        if slot.0 >= l.rows || worker >= l.workers {
+            return Err(RegionError::OutOfRange {
+                offset: l.rows_bytes() as u64,
+                len: 8,
+                size: l.total_bytes() as u64,
+            });
+        }
+        let offset = l.rows_bytes() + (slot.index() * l.workers as usize + worker as usize) * 8;
+        self.mapping.check(offset, 8)?;
+        // SAFETY: the word lies inside the live mapping (checked above), which lives as long
+        // as `self`; it is 8-byte aligned (the mapping is page-aligned, `rows_bytes` a
+        // multiple of a page); seals are only ever accessed as atomics, by every process.
+        Ok(unsafe { &*(self.mapping.map.as_ptr().add(offset) as *const AtomicU64) })
+    }
+
     fn part_range(
         &self,
         slot: SlotId,
@@ -1095,6 +1142,47 @@ mod tests {
         match r {
             Err(RegionError::Untrusted { reason, .. }) => reason,
             other => panic!("expected an untrusted-file refusal, got {other:?}"),
+        }
+    }
+
+    /// Seals live after the rows, one word per sub-slot: a seal set through one mapping is
+    /// read through another, it changes no byte of any row, and seals outside the region are
+    /// refused.
+    #[test]
+    fn seals_are_shared_and_kept_apart_from_the_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        let l = Layout::new(3, 2, PAGE).unwrap();
+        assert_eq!(l.total_bytes(), l.rows_bytes() + PAGE);
+        let owner = Region::create(&path, l, 1).unwrap();
+        let other = Region::attach(&path, l, Duration::from_millis(20), 1).unwrap();
+        for slot in 0..3 {
+            for worker in 0..2 {
+                assert_eq!(owner.seal(SlotId(slot), worker).unwrap(), 0);
+                owner
+                    .set_seal(
+                        SlotId(slot),
+                        worker,
+                        u64::from(slot) * 10 + u64::from(worker) + 1,
+                    )
+                    .unwrap();
+            }
+        }
+        for slot in 0..3 {
+            for worker in 0..2 {
+                let want = u64::from(slot) * 10 + u64::from(worker) + 1;
+                assert_eq!(other.seal(SlotId(slot), worker).unwrap(), want);
+                let mut row = vec![1u8; PAGE];
+                other.read_sub(SlotId(slot), worker, &mut row).unwrap();
+                assert!(row.iter().all(|&b| b == 0), "a seal wrote into a row");
+            }
+        }
+        for (slot, worker) in [(3, 0), (0, 2), (u32::MAX, 0)] {
+            assert!(matches!(
+                owner.seal(SlotId(slot), worker),
+                Err(RegionError::OutOfRange { .. })
+            ));
+            assert!(owner.set_seal(SlotId(slot), worker, 1).is_err());
         }
     }
 

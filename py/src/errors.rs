@@ -1,12 +1,14 @@
 //! kvtier's errors as Python exceptions.
 //!
 //! `KvtierError` is the base of all of them. A bad setting is `ConfigError`, which is also a
-//! `ValueError`; a call the core refused is `StateError` (the state is unchanged); memory,
-//! tier and transfer failures have their own classes.
+//! `ValueError`; a call the core refused is `StateError` (the blocks' states are unchanged);
+//! memory, tier and transfer failures have their own classes.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 use kvtier_hw::{EngineError, HwError, StoreError};
 
@@ -16,12 +18,34 @@ create_exception!(
     PyException,
     "Base class of every error kvtier raises."
 );
-create_exception!(
-    _native,
-    ConfigError,
-    PyValueError,
-    "A setting is missing or invalid; the message names it."
-);
+/// `ConfigError(KvtierError, ValueError)`: two bases, which `create_exception!` cannot give,
+/// so the class is made with `type()` when the module is first imported.
+static CONFIG_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn config_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    CONFIG_ERROR
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(
+                py,
+                [
+                    py.get_type::<KvtierError>().into_any(),
+                    py.get_type::<pyo3::exceptions::PyValueError>().into_any(),
+                ],
+            )?;
+            let attrs = PyDict::new(py);
+            attrs.set_item(
+                "__doc__",
+                "A setting is missing or invalid; the message names it.",
+            )?;
+            attrs.set_item("__module__", "kvtier._native")?;
+            let cls = py
+                .get_type::<PyType>()
+                .call1(("ConfigError", bases, attrs))?
+                .cast_into::<PyType>()?;
+            Ok(cls.unbind())
+        })
+        .map(|t| t.bind(py))
+}
 create_exception!(
     _native,
     StateError,
@@ -51,7 +75,7 @@ create_exception!(
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvtierError", py.get_type::<KvtierError>())?;
-    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("ConfigError", config_error_type(py)?)?;
     m.add("StateError", py.get_type::<StateError>())?;
     m.add("RegionError", py.get_type::<RegionError>())?;
     m.add("TierError", py.get_type::<TierError>())?;
@@ -63,7 +87,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub(crate) fn hw(e: HwError) -> PyErr {
     match e {
         HwError::Core(e) => StateError::new_err(e.to_string()),
-        HwError::Config(e) => ConfigError::new_err(e.to_string()),
+        HwError::Config(e) => config_error(e.to_string()),
         HwError::Region(e) => region(e),
         HwError::Store(e) => store(e),
         HwError::Engine(e) => engine(e),
@@ -88,5 +112,13 @@ pub(crate) fn engine(e: EngineError) -> PyErr {
 
 /// A `ConfigError` naming the setting `key`.
 pub(crate) fn config(key: &str, reason: impl std::fmt::Display) -> PyErr {
-    ConfigError::new_err(format!("{key}: {reason}"))
+    config_error(format!("{key}: {reason}"))
+}
+
+/// A `ConfigError` with `message`.
+pub(crate) fn config_error(message: String) -> PyErr {
+    Python::attach(|py| match config_error_type(py) {
+        Ok(cls) => PyErr::from_type(cls.clone(), message),
+        Err(e) => e,
+    })
 }

@@ -16,12 +16,19 @@ mod worker;
 
 use pyo3::prelude::*;
 
+/// Whether the CUDA driver library can be loaded here (a GPU KV cache needs it).
+#[pyfunction]
+fn cuda_driver_present() -> bool {
+    kvtier_hw::cuda_driver_present()
+}
+
 /// The module `kvtier._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::Manager>()?;
     m.add_class::<worker::Worker>()?;
     errors::register(m)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

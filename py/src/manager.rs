@@ -25,9 +25,14 @@ use kvtier_hw::{
 
 use crate::errors;
 
-/// `prepare_store`'s answer: the keys to store (the caller's objects), their slots, and the
-/// evicted keys.
-type StoreAnswer<'py> = (Bound<'py, PyList>, Bound<'py, PyBytes>, Bound<'py, PyList>);
+/// `prepare_store`'s answer: the keys to store (the caller's objects), their slots, the
+/// evicted keys, and the seal value the workers set once their copies are complete.
+type StoreAnswer<'py> = (
+    Bound<'py, PyList>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyList>,
+    u64,
+);
 
 /// Slot ids as packed native-endian `int32`s (numpy reads them without a Python list).
 fn packed_slots<'py>(py: Python<'py>, slots: &[kvtier_core::SlotId]) -> Bound<'py, PyBytes> {
@@ -62,9 +67,16 @@ struct Inner {
     shutdown_timeout: Duration,
     /// Per slot, the key object its block was stored with (to answer evictions with it).
     objects: Vec<Option<Py<PyAny>>>,
-    /// The keys of the last `prepare_store` answer and the list it answered them in (a
-    /// `complete_store` of that list needs no new keys).
-    stored: Option<(Py<PyList>, Vec<Key>)>,
+    /// Per slot, the seal its last store's workers must set (see `complete_store`).
+    sealed_with: Vec<u64>,
+    /// The last seal value handed out (one per `prepare_store`).
+    generation: u64,
+    /// Whether `complete_store(success=True)` checks the workers' seals.
+    verify: bool,
+    /// Ranks writing each slot.
+    workers: u16,
+    /// Whether there are secondary tiers (a lookup may start a promotion).
+    tiers: bool,
     /// Requests that stored or loaded a key before its position was recorded: their
     /// positions are read again when they finish.
     unpositioned: HashSet<RequestId>,
@@ -277,7 +289,7 @@ impl Manager {
     #[pyo3(signature = (*, num_blocks, policy, region_path, block_bytes_per_worker, workers,
         answers, tiers = Vec::new(), events = true, store_threshold = 0,
         max_tracker_size = 64_000, identity = String::new(), io_threads = 4,
-        shutdown_timeout_s = 30.0, prefault_threads = 4))]
+        shutdown_timeout_s = 30.0, prefault_threads = 4, verify_stores = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -295,6 +307,7 @@ impl Manager {
         io_threads: usize,
         shutdown_timeout_s: f64,
         prefault_threads: usize,
+        verify_stores: bool,
     ) -> PyResult<Self> {
         let mut config = Config::new(num_blocks);
         config.policy = parse_policy("eviction_policy", policy)?;
@@ -305,12 +318,12 @@ impl Manager {
                 max_tracker_size,
             });
         }
-        if !(shutdown_timeout_s.is_finite() && shutdown_timeout_s >= 0.0) {
-            return Err(errors::config(
+        let shutdown_timeout = Duration::try_from_secs_f64(shutdown_timeout_s).map_err(|_| {
+            errors::config(
                 "shutdown_timeout_s",
-                "must be a non-negative number of seconds",
-            ));
-        }
+                "must be a non-negative number of seconds that a clock can hold",
+            )
+        })?;
         let layout = Layout::new(num_blocks, workers, block_bytes_per_worker)
             .map_err(|e| errors::config("cpu_bytes_to_use", e))?;
         let settings = tiers
@@ -343,12 +356,12 @@ impl Manager {
             }
             config
                 .validate()
-                .map_err(|e| errors::ConfigError::new_err(e.to_string()))?;
+                .map_err(|e| errors::config_error(e.to_string()))?;
             let region =
                 Region::create(&path, layout, prefault_threads.max(1)).map_err(errors::region)?;
             let options = DriverOptions {
                 io_threads_per_tier: io_threads.max(1),
-                shutdown_timeout: Duration::from_secs_f64(shutdown_timeout_s),
+                shutdown_timeout,
                 ..DriverOptions::default()
             };
             Driver::scheduler(config, Arc::new(region), stores, options).map_err(errors::hw)
@@ -362,11 +375,15 @@ impl Manager {
                 next_request: 0,
                 promoted: HashMap::new(),
                 keys: Vec::new(),
-                shutdown_timeout: Duration::from_secs_f64(shutdown_timeout_s),
+                shutdown_timeout,
                 last: None,
                 unpositioned: HashSet::new(),
                 objects: (0..num_blocks).map(|_| None).collect(),
-                stored: None,
+                sealed_with: vec![0; num_blocks as usize],
+                generation: 0,
+                verify: verify_stores,
+                workers,
+                tiers: !tiers.is_empty(),
             }),
             answers,
             region_path,
@@ -400,9 +417,25 @@ impl Manager {
         key: &Bound<'_, PyBytes>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
+        let key_obj = key;
         let key = Key::new(key.as_bytes());
         let mut inner = self.lock(py);
         let req = inner.request_of(req_context)?;
+        if inner.tiers {
+            // A lookup may promote the block, inserting it for this request, ranked by its
+            // position as a store's block is.
+            let position = positions(req_context)
+                .map(|p| p.get_item(key_obj))
+                .transpose()?
+                .flatten()
+                .and_then(|v| v.extract::<u64>().ok());
+            match position {
+                Some(end) => inner.driver()?.set_position(req, &key, end),
+                None => {
+                    inner.unpositioned.insert(req);
+                }
+            }
+        }
         let driver = inner.driver()?;
         let answer = driver.lookup(req, &key);
         let i = match answer {
@@ -497,7 +530,8 @@ impl Manager {
 
     /// vLLM's `prepare_store`: `None` when the blocks cannot be stored (no room), else
     /// `(keys_to_store, slots, evicted_keys)`; `keys_to_store` are the caller's own objects
-    /// and `slots` are packed `int32`s.
+    /// and `slots` are packed `int32`s; a fourth element is the value each worker seals its
+    /// copy of these slots with (see `complete_store`).
     fn prepare_store<'py>(
         &self,
         py: Python<'py>,
@@ -533,6 +567,8 @@ impl Manager {
         let to_store = PyList::empty(py);
         let mut next = 0;
         let inner = &mut *inner;
+        inner.generation += 1;
+        let generation = inner.generation;
         for (key, slot) in prepared.keys.iter().zip(&prepared.slots) {
             while next < k.len() && &k[next] != key {
                 next += 1;
@@ -543,6 +579,7 @@ impl Manager {
             };
             to_store.append(&obj)?;
             inner.objects[slot.index()] = Some(obj.unbind());
+            inner.sealed_with[slot.index()] = generation;
             next += 1;
         }
         inner.keys = k;
@@ -571,11 +608,16 @@ impl Manager {
             }
         }
         let slots = packed_slots(py, &prepared.slots);
-        inner.stored = Some((to_store.clone().unbind(), prepared.keys));
-        Ok(Some((to_store, slots, evicted)))
+        Ok(Some((to_store, slots, evicted, generation)))
     }
 
     /// vLLM's `complete_store(keys, req_context, success=True)`.
+    ///
+    /// With `verify_stores`, a store reported successful is made readable only for the keys
+    /// whose slot every worker sealed with the value `prepare_store` gave it: a copy that
+    /// failed, or a worker that died, leaves its seal unset, and those keys end as failed
+    /// stores (their slots go back, nothing is served). The count of such keys is answered
+    /// (0 without `verify_stores` or when all were sealed).
     #[pyo3(signature = (keys, req_context, success = true))]
     fn complete_store(
         &self,
@@ -583,7 +625,7 @@ impl Manager {
         keys: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
         success: bool,
-    ) -> PyResult<()> {
+    ) -> PyResult<usize> {
         let id = req_id(req_context)?;
         let mut inner = self.lock(py);
         // A completion may come after the request finished: it names no record then.
@@ -592,26 +634,48 @@ impl Manager {
             .get(id.to_str()?)
             .copied()
             .unwrap_or(RequestId(u64::MAX));
-        // The list `prepare_store` answered, unchanged: its keys are made already.
-        if let Some((list, stored)) = inner.stored.take() {
-            let same = list.as_ptr() == keys.as_ptr()
-                && keys.cast::<PyList>().is_ok_and(|l| {
-                    l.len() == stored.len()
-                        && l.iter().zip(&stored).all(|(o, k)| {
-                            o.cast::<PyBytes>()
-                                .is_ok_and(|b| b.as_bytes() == k.as_bytes())
-                        })
-                });
-            if same {
-                inner.driver()?.complete_store(req, &stored, success);
-                return Ok(());
+        let mut k = std::mem::take(&mut inner.keys);
+        let out = keys_into(keys, &mut k).and_then(|()| {
+            let inner = &mut *inner;
+            let driver = inner
+                .driver
+                .as_mut()
+                .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))?;
+            if !(inner.verify && success) {
+                driver.complete_store(req, &k, success);
+                return Ok(0);
             }
+            let region = driver.region().clone();
+            let primary = driver.manager().primary();
+            let (sealed, unsealed): (Vec<Key>, Vec<Key>) = k.iter().cloned().partition(|key| {
+                match primary.state_of(key) {
+                    Some((slot, BlockState::Pending)) => {
+                        let want = inner.sealed_with[slot.index()];
+                        (0..inner.workers).all(|w| region.seal(slot, w).is_ok_and(|v| v == want))
+                    }
+                    // Not this store's to check: the core decides (P8).
+                    _ => true,
+                }
+            });
+            driver.complete_store(req, &sealed, true);
+            if !unsealed.is_empty() {
+                driver.complete_store(req, &unsealed, false);
+            }
+            Ok(unsealed.len())
+        });
+        inner.keys = k;
+        let refused = out?;
+        if refused > 0 {
+            drop(inner);
+            let msg = format!(
+                "a store reported complete left {refused} blocks unsealed by a worker: their \
+                 copy failed or never ran, so they are not cached"
+            );
+            py.import("logging")?
+                .call_method1("getLogger", ("kvtier",))?
+                .call_method1("warning", (msg,))?;
         }
-        drop(inner);
-        self.with_keys(py, keys, |driver, k| {
-            driver.complete_store(req, k, success);
-            Ok(())
-        })
+        Ok(refused)
     }
 
     /// vLLM's `on_request_finished`: the request's key positions (from
@@ -661,7 +725,11 @@ impl Manager {
     /// vLLM's `take_events`: `(tier, kind, keys)` with `tier` -1 for the primary and `kind`
     /// 0 stored, 1 removed, 2 discarded (a failed store's metadata-only removal).
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<EventTuple<'py>>> {
-        let events = self.lock(py).driver()?.take_events();
+        // After shutdown there is nothing to tell.
+        let events = match self.lock(py).driver.as_mut() {
+            Some(d) => d.take_events(),
+            None => Vec::new(),
+        };
         Ok(events
             .into_iter()
             .map(|e| {
@@ -684,9 +752,14 @@ impl Manager {
             .collect())
     }
 
-    /// Whether the engine must keep stepping (tier IO in flight or promotions waiting).
-    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(self.lock(py).driver()?.has_pending_work())
+    /// Whether the engine must keep stepping (tier IO in flight or promotions waiting); false
+    /// after shutdown.
+    fn has_pending_work(&self, py: Python<'_>) -> bool {
+        // After shutdown nothing is pending.
+        self.lock(py)
+            .driver
+            .as_ref()
+            .is_some_and(|d| d.has_pending_work())
     }
 
     /// vLLM's `reset_cache`: waits (GIL released) for the tiers' IO in flight, then the
@@ -695,8 +768,11 @@ impl Manager {
         py.detach(|| {
             let mut inner = lock(&self.inner);
             let timeout = inner.shutdown_timeout;
-            inner.promoted.clear();
-            inner.driver().map(|d| d.reset_cache(timeout))
+            let out = inner.driver().map(|d| d.reset_cache(timeout));
+            if matches!(out, Ok(Ok(()))) {
+                inner.promoted.clear();
+            }
+            out
         })
         .and_then(|r| r.map_err(errors::hw))
     }

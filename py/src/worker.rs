@@ -7,22 +7,30 @@
 //! order. The handler copies those pages between the tensors and its sub-slots of the shared
 //! region, on a copy thread, so that `submit` never blocks.
 //!
-//! Host memory only: the tensors are the engine's CPU buffers, given by address. The engine
-//! keeps them alive and does not write a block while it is being stored or read a block while
-//! it is being loaded; vLLM's connector keeps that rule for its own handlers.
+//! The tensors are given by address, in host memory or on one GPU. Host tensors are copied on
+//! a copy thread of the handler's own. GPU tensors are copied by kvtier-hw's CUDA engine,
+//! made at the first job: asynchronous copies on the engine's streams, each job ordered after
+//! the work queued on the caller's compute stream (a store waits for the kernels that write
+//! its blocks, a load for those that read the blocks it overwrites), its end learnt from an
+//! event. The engine keeps the tensors alive and does not write a block while it is being
+//! stored or read a block while it is being loaded; vLLM's connector keeps that rule for its
+//! own handlers.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 
 use kvtier_core::SlotId;
-use kvtier_hw::{Layout, Region};
+use kvtier_hw::{
+    Completion, Completions, CudaEngine, CudaStream, Direction, Layout, Piece, Queue, Region,
+    TransferEngine, TransferId,
+};
 
 use crate::errors;
 
@@ -55,7 +63,24 @@ struct Job {
     id: i64,
     store: bool,
     copies: Vec<PageCopy>,
+    /// A store's seal: set on each of its slots once every page is copied.
+    seal: Option<u64>,
     submitted: Instant,
+}
+
+impl Job {
+    /// Seals the job's slots for this rank: its copies are complete.
+    fn seal(&self, region: &Region, rank: u16) -> Result<(), String> {
+        let Some(value) = self.seal.filter(|_| self.store) else {
+            return Ok(());
+        };
+        for c in &self.copies {
+            region
+                .set_seal(SlotId(c.slot), rank, value)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
 }
 
 /// A job's result: `(job_id, success, bytes, seconds)`.
@@ -68,6 +93,19 @@ struct Done {
     errors: BTreeMap<i64, String>,
 }
 
+impl Done {
+    /// Keeps why `job` failed, and only the last [`KEPT_ERRORS`] such reasons.
+    fn keep_error(&mut self, job: i64, error: String) {
+        self.errors.insert(job, error);
+        while self.errors.len() > KEPT_ERRORS {
+            self.errors.pop_first();
+        }
+    }
+}
+
+/// How many failed jobs' reasons a handler keeps for `error`.
+const KEPT_ERRORS: usize = 1024;
+
 struct Shared {
     done: Mutex<Done>,
     changed: Condvar,
@@ -75,29 +113,38 @@ struct Shared {
     layout: Layout,
     rank: u16,
     attach_timeout: Duration,
-    region: OnceLock<Result<Arc<Region>, String>>,
+    /// Attached at the first job that succeeds in attaching (a failed attach is tried again
+    /// by the next job).
+    region: Mutex<Option<Arc<Region>>>,
     groups: Vec<Vec<TensorRef>>,
     blocks_per_chunk: usize,
     /// A pause after each page copy, for tests that kill a rank in the middle of a job.
     page_delay_us: AtomicU64,
+    /// Set when the handler is dropped: queued jobs end failed without copying.
+    stopping: AtomicBool,
 }
 
 impl Shared {
     /// The region, attached at the first job: the scheduler, which creates it, may start
     /// after the workers.
-    fn region(&self) -> Result<&Arc<Region>, String> {
-        self.region
-            .get_or_init(|| {
-                Region::attach(&self.region_path, self.layout, self.attach_timeout, 1)
-                    .map(Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .as_ref()
-            .map_err(Clone::clone)
+    fn region(&self) -> Result<Arc<Region>, String> {
+        let mut region = self.region.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(r) = region.as_ref() {
+            return Ok(r.clone());
+        }
+        let r = Region::attach(&self.region_path, self.layout, self.attach_timeout, 1)
+            .map(Arc::new)
+            .map_err(|e| e.to_string())?;
+        *region = Some(r.clone());
+        Ok(r)
     }
 
     fn run(&self, job: &Job) -> Result<u64, String> {
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err("the handler was dropped before the job ran".into());
+        }
         let region = self.region()?;
+        let region = &region;
         let mut bytes = 0u64;
         for c in &job.copies {
             for t in &self.groups[c.group] {
@@ -132,6 +179,7 @@ impl Shared {
                 }
             }
         }
+        job.seal(region, self.rank)?;
         Ok(bytes)
     }
 
@@ -144,19 +192,33 @@ impl Shared {
             Err(e) => {
                 tracing::warn!(job = job.id, error = %e, "transfer failed");
                 done.finished.push((job.id, false, 0, secs));
-                done.errors.insert(job.id, e);
+                done.keep_error(job.id, e);
             }
         }
         self.changed.notify_all();
     }
 }
 
-/// One rank's transfer handler (host memory).
+/// The CUDA side of a handler whose tensors are on a GPU.
+struct Gpu {
+    ordinal: i32,
+    /// Made at the first job (the region may not exist before).
+    engine: Mutex<Option<CudaEngine>>,
+    done: Completions,
+    /// The jobs in flight on the engine (to seal a store's slots when it ends).
+    jobs: Mutex<BTreeMap<i64, Job>>,
+}
+
+/// One rank's transfer handler.
 #[pyclass(module = "kvtier._native", frozen)]
 pub(crate) struct Worker {
     shared: Arc<Shared>,
     jobs: Mutex<Option<Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    gpu: Option<Gpu>,
+    /// The tensors the addresses point into, held until the copies have stopped (fields drop
+    /// after `Drop::drop`, which stops them).
+    _tensors: Vec<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -166,7 +228,7 @@ impl Worker {
     /// group, its tensors as `(address, blocks, stride, page)`.
     #[new]
     #[pyo3(signature = (*, region_path, rows, workers, block_bytes_per_worker, rank, groups,
-        blocks_per_chunk = 1, attach_timeout_s = 60.0))]
+        blocks_per_chunk = 1, attach_timeout_s = 60.0, device = None, tensors = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         region_path: PathBuf,
@@ -177,7 +239,15 @@ impl Worker {
         groups: Vec<Vec<(usize, usize, usize, usize)>>,
         blocks_per_chunk: usize,
         attach_timeout_s: f64,
+        device: Option<i32>,
+        tensors: Vec<Py<PyAny>>,
     ) -> PyResult<Self> {
+        if device.is_some() && !kvtier_hw::cuda_driver_present() {
+            return Err(errors::TransferError::new_err(
+                "the KV cache is in GPU memory, but no CUDA driver library (libcuda) can be \
+                 loaded on this machine",
+            ));
+        }
         let layout = Layout::new(rows, workers, block_bytes_per_worker)
             .map_err(|e| errors::config("cpu_bytes_to_use", e))?;
         if rank >= workers {
@@ -189,9 +259,12 @@ impl Worker {
         if blocks_per_chunk == 0 {
             return Err(errors::config("blocks_per_chunk", "must be at least 1"));
         }
-        if !(attach_timeout_s.is_finite() && attach_timeout_s >= 0.0) {
-            return Err(errors::config("attach_timeout_s", "must be non-negative"));
-        }
+        let attach_timeout = Duration::try_from_secs_f64(attach_timeout_s).map_err(|_| {
+            errors::config(
+                "attach_timeout_s",
+                "must be a non-negative number of seconds that a clock can hold",
+            )
+        })?;
         let mut refs = Vec::with_capacity(groups.len());
         for (g, tensors) in groups.iter().enumerate() {
             let mut at = 0usize;
@@ -236,8 +309,9 @@ impl Worker {
             region_path,
             layout,
             rank,
-            attach_timeout: Duration::from_secs_f64(attach_timeout_s),
-            region: OnceLock::new(),
+            attach_timeout,
+            region: Mutex::new(None),
+            stopping: AtomicBool::new(false),
             groups: refs,
             blocks_per_chunk,
             page_delay_us: AtomicU64::new(0),
@@ -261,13 +335,27 @@ impl Worker {
             shared,
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            _tensors: tensors,
+            gpu: device.map(|ordinal| Gpu {
+                ordinal,
+                engine: Mutex::new(None),
+                done: Arc::new(Queue::new()),
+                jobs: Mutex::new(BTreeMap::new()),
+            }),
         })
     }
 
     /// Starts job `job_id`: a store (tensors → region) or a load (region → tensors).
     /// `block_ids`, `group_sizes` and `block_indices` are vLLM's `GPULoadStoreSpec`; `slots`
-    /// are the slots of the chunks, group by group. Answers whether the job was queued; a job
-    /// that was not never appears in `get_finished`.
+    /// are the slots of the chunks, group by group. For GPU tensors, `stream` is the compute
+    /// stream the job is ordered after (a `CUstream` as an integer; 0 or none: the legacy
+    /// default stream). A store's `seal` is set on each of its slots for this rank once all
+    /// its pages are copied (the manager checks it before it makes the blocks readable).
+    /// Answers whether the job was queued; a job that was not never appears in
+    /// `get_finished`.
+    #[pyo3(signature = (job_id, store, block_ids, group_sizes, block_indices, slots, stream = None,
+        seal = None))]
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         job_id: i64,
@@ -276,30 +364,27 @@ impl Worker {
         group_sizes: Vec<usize>,
         block_indices: Vec<usize>,
         slots: Vec<u32>,
+        stream: Option<usize>,
+        seal: Option<u64>,
     ) -> PyResult<bool> {
         let copies = self.plan(&block_ids, &group_sizes, &block_indices, &slots)?;
-        let sender = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(tx) = sender.as_ref() else {
-            return Ok(false);
-        };
-        {
-            let mut done = self
-                .shared
-                .done
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if !done.running.insert(job_id) {
-                return Err(errors::TransferError::new_err(format!(
-                    "job {job_id} is already running"
-                )));
-            }
-        }
         let job = Job {
             id: job_id,
             store,
             copies,
+            seal,
             submitted: Instant::now(),
         };
+        if let Some(gpu) = &self.gpu {
+            self.start(job_id)?;
+            self.submit_gpu(gpu, job, stream.unwrap_or(0));
+            return Ok(true);
+        }
+        let sender = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(tx) = sender.as_ref() else {
+            return Ok(false);
+        };
+        self.start(job_id)?;
         if tx.send(job).is_err() {
             let mut done = self
                 .shared
@@ -314,6 +399,7 @@ impl Worker {
 
     /// The jobs that ended since the last call: `(job_id, success, bytes, seconds)`.
     fn get_finished(&self) -> Vec<Finished> {
+        self.poll_gpu();
         let mut done = self
             .shared
             .done
@@ -335,6 +421,24 @@ impl Worker {
     /// Waits (GIL released) until none of `job_ids` is running.
     fn wait(&self, py: Python<'_>, job_ids: Vec<i64>) {
         py.detach(|| {
+            let running = |ids: &[i64]| {
+                let done = self
+                    .shared
+                    .done
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                ids.iter().any(|id| done.running.contains(id))
+            };
+            if self.gpu.is_some() {
+                // The GPU's copies end by event: poll them.
+                while {
+                    self.poll_gpu();
+                    running(&job_ids)
+                } {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+                return;
+            }
             let mut done = self
                 .shared
                 .done
@@ -366,6 +470,16 @@ impl Worker {
                 let _ = t.join();
             });
         }
+        if let Some(gpu) = &self.gpu {
+            // Dropping the engine waits for its streams' copies.
+            let engine = gpu
+                .engine
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            py.detach(move || drop(engine));
+            self.poll_gpu();
+        }
     }
 
     /// Pauses `micros` after each page copy from now on: for fault tests that need a rank to
@@ -387,6 +501,150 @@ impl Worker {
 }
 
 impl Worker {
+    /// Marks `job_id` running; a job id already running is refused.
+    fn start(&self, job_id: i64) -> PyResult<()> {
+        let mut done = self
+            .shared
+            .done
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !done.running.insert(job_id) {
+            return Err(errors::TransferError::new_err(format!(
+                "job {job_id} is already running"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues `job` on the GPU's engine, made at the first job; a job that cannot be queued
+    /// ends failed.
+    fn submit_gpu(&self, gpu: &Gpu, job: Job, stream: usize) {
+        let shared = &self.shared;
+        let pieces = match self.pieces(&job) {
+            Ok(p) => p,
+            Err(e) => return shared.finish(&job, Err(e)),
+        };
+        let mut engine = gpu.engine.lock().unwrap_or_else(PoisonError::into_inner);
+        if engine.is_none() {
+            let region = match shared.region() {
+                Ok(r) => r,
+                Err(e) => return shared.finish(&job, Err(e)),
+            };
+            let mut ranges: Vec<(u64, usize)> = shared
+                .groups
+                .iter()
+                .flatten()
+                .map(|t| (t.base as u64, t.blocks * t.stride))
+                .collect();
+            ranges.sort_unstable();
+            ranges.dedup();
+            // SAFETY: the ranges are the engine's KV tensors, which this handler holds (and so
+            // keeps allocated) until it is dropped, after this engine.
+            match unsafe { CudaEngine::with_ranges(region, shared.rank, gpu.ordinal, &ranges) } {
+                Ok(e) => *engine = Some(e),
+                Err(e) => return shared.finish(&job, Err(format!("CUDA: {e}"))),
+            }
+        }
+        let engine = engine.as_mut().expect("made above");
+        // SAFETY: the caller passes the stream its kernels run on, live while it submits.
+        unsafe { engine.set_compute_stream(stream as CudaStream) };
+        let direction = if job.store {
+            Direction::ToRegion
+        } else {
+            Direction::ToDevice
+        };
+        let (id, at) = (job.id, TransferId(job.id as u64));
+        // Known before it is queued: its end (and its seals) may be polled at once.
+        let mut jobs = gpu.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        jobs.insert(id, job);
+        if let Err(e) = engine.submit_pieces(at, direction, &pieces) {
+            let job = jobs.remove(&id).expect("inserted above");
+            drop(jobs);
+            shared.finish(&job, Err(e.to_string()));
+        }
+    }
+
+    /// The GPU pieces of `job`: each page of each of its blocks' tensors.
+    fn pieces(&self, job: &Job) -> Result<Vec<Piece>, String> {
+        let mut pieces = Vec::with_capacity(job.copies.len());
+        for c in &job.copies {
+            for t in &self.shared.groups[c.group] {
+                if c.block >= t.blocks {
+                    return Err(format!(
+                        "block {} is outside a KV tensor of {} blocks",
+                        c.block, t.blocks
+                    ));
+                }
+                pieces.push(Piece {
+                    slot: SlotId(c.slot),
+                    at: t.at + c.index * t.page,
+                    device: (t.base + c.block * t.stride) as u64,
+                    len: t.page,
+                });
+            }
+        }
+        Ok(pieces)
+    }
+
+    /// Records the GPU jobs that ended.
+    fn poll_gpu(&self) {
+        let Some(gpu) = &self.gpu else {
+            return;
+        };
+        if let Some(engine) = gpu
+            .engine
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+        {
+            engine.poll(&gpu.done);
+        }
+        let mut ended = Vec::new();
+        gpu.done.drain_into(&mut ended);
+        for c in ended {
+            if let Completion::Transfer {
+                id,
+                result,
+                bytes,
+                elapsed,
+                ..
+            } = c
+            {
+                let job = id.0 as i64;
+                let sealed = gpu
+                    .jobs
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&job)
+                    .map(|j| match (&result, self.shared.region()) {
+                        (Ok(()), Ok(region)) => j.seal(&region, self.shared.rank),
+                        _ => Ok(()),
+                    });
+                let result = match sealed {
+                    Some(Err(e)) => Err(kvtier_hw::EngineError::Gpu(format!("sealing: {e}"))),
+                    _ => result,
+                };
+                let mut done = self
+                    .shared
+                    .done
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                done.running.remove(&job);
+                match result {
+                    Ok(()) => done
+                        .finished
+                        .push((job, true, bytes, elapsed.as_secs_f64())),
+                    Err(e) => {
+                        tracing::warn!(job, error = %e, "GPU transfer failed");
+                        done.finished.push((job, false, 0, elapsed.as_secs_f64()));
+                        done.keep_error(job, e.to_string());
+                    }
+                }
+                self.shared.changed.notify_all();
+            }
+        }
+    }
+
     /// The page copies of a job: each block of each group goes to its chunk's slot, at its
     /// index in the chunk (a group's first block may start inside a chunk).
     fn plan(
@@ -405,7 +663,11 @@ impl Worker {
                 block_indices.len()
             )));
         }
-        if group_sizes.iter().sum::<usize>() != block_ids.len() {
+        if group_sizes
+            .iter()
+            .try_fold(0usize, |a, &n| a.checked_add(n))
+            != Some(block_ids.len())
+        {
             return Err(bad("the group sizes do not add up to the block ids".into()));
         }
         let bpc = self.shared.blocks_per_chunk;
@@ -417,7 +679,13 @@ impl Worker {
                 continue;
             }
             let first_chunk = first / bpc;
-            for i in 0..n {
+            let last = first
+                .checked_add(n - 1)
+                .ok_or_else(|| bad(format!("block index {first} is too large")))?;
+            let Some(ids) = block_ids.get(next_block..next_block + n) else {
+                return Err(bad("the group sizes do not add up to the block ids".into()));
+            };
+            for (i, &block) in ids.iter().enumerate() {
                 let logical = first + i;
                 let slot_index = next_slot + logical / bpc - first_chunk;
                 let Some(&slot) = slots.get(slot_index) else {
@@ -427,14 +695,14 @@ impl Worker {
                     )));
                 };
                 copies.push(PageCopy {
-                    block: block_ids[next_block + i],
+                    block,
                     group: g,
                     slot,
                     index: logical % bpc,
                 });
             }
             next_block += n;
-            next_slot += (first + n - 1) / bpc - first_chunk + 1;
+            next_slot += last / bpc - first_chunk + 1;
         }
         if next_slot != slots.len() {
             return Err(bad(format!(
@@ -448,6 +716,8 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // Queued jobs end failed without copying; the one running finishes.
+        self.shared.stopping.store(true, Ordering::Relaxed);
         self.jobs
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -4,7 +4,8 @@ It holds KV tensors of its own (16 blocks of one page, random bytes seeded by th
 attaches a ``KvtierOffloadingWorker`` to the scheduler's region, and answers JSON lines on
 stdin:
 
-- ``{"op": "store"|"load", "job", "gpu", "slots", "wait"}``: submits the transfer; with
+- ``{"op": "store"|"load", "job", "gpu", "slots", "seal", "wait"}``: submits the transfer
+  (a store seals its slots with ``seal`` once copied); with
   ``wait`` answers ``{"job", "ok"}`` when it ended, else ``{"submitted": job}`` at once.
 - ``{"op": "digest", "blocks"}``: the SHA-256 of each block's bytes.
 - ``{"op": "zero", "blocks"}``: clears blocks.
@@ -47,6 +48,7 @@ def main() -> None:
         if op in ("store", "load"):
             gpu = s.GPULoadStoreSpec(cmd["gpu"], [len(cmd["gpu"])], [0])
             slots = kv.KvtierLoadStoreSpec(cmd["slots"])
+            slots.generation = cmd.get("seal")
             if op == "store":
                 ok = worker.submit_store(cmd["job"], gpu, slots)
             else:

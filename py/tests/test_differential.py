@@ -46,6 +46,7 @@ class Pair:
                 policy=policy,
                 store_threshold=threshold,
                 max_tracker_size=8,
+                verify_stores=False,  # no worker copies here: the calls alone are compared
             ),
             prefault_threads=1,
         )
@@ -62,7 +63,9 @@ class Pair:
                 outcomes.append(("raised", type(e).__name__))
         theirs, ours = outcomes
         if theirs[0] == "raised" or ours[0] == "raised":
-            assert theirs[0] == ours[0], self.trace(f"{name}: vLLM {theirs}, kvtier {ours}")
+            # vLLM refuses a misuse with an assertion, kvtier with StateError.
+            refused = (("raised", "AssertionError"), ("raised", "StateError"))
+            assert (theirs, ours) == refused, self.trace(f"{name}: vLLM {theirs}, kvtier {ours}")
             return None
         assert theirs[1] == ours[1], self.trace(f"{name}: vLLM {theirs[1]!r}, kvtier {ours[1]!r}")
         return theirs[1]
@@ -139,7 +142,9 @@ def test_same_answers_as_vllm(vllm, region_dir, policy, seed):
                     stores.append((req, out[0]))
             elif op < 0.70 and stores:
                 r, ks = stores.pop(rng.randrange(len(stores)))
-                pair.both("complete_store", ks, contexts[r], success=rng.random() < 0.8)
+                ok = rng.random() < 0.8
+                # kvtier answers how many blocks it refused (none: no seals are checked here).
+                pair.both("complete_store", ks, contexts[r], success=ok, compare=lambda _: None)
             elif op < 0.78 and loads:
                 r, ks = loads.pop(rng.randrange(len(loads)))
                 pair.both("complete_load", ks, contexts[r])

@@ -70,9 +70,13 @@ def cluster(region_dir):
     manager.shutdown()
 
 
-def transfer(ranks, op, job, gpu, slots):
+def transfer(ranks, op, job, gpu, slots, seal=None):
     """One job on every rank, as vLLM's connector runs it; succeeds if every rank's did."""
-    return all(r.ask(op=op, job=job, gpu=gpu, slots=slots)["ok"] for r in ranks)
+    return all(r.ask(op=op, job=job, gpu=gpu, slots=slots, seal=seal)["ok"] for r in ranks)
+
+
+def slots_of(spec):
+    return [int(s) for s in spec.block_ids]
 
 
 def test_two_ranks_store_and_load_their_own_bytes(cluster):
@@ -81,8 +85,9 @@ def test_two_ranks_store_and_load_their_own_bytes(cluster):
     manager.on_new_request(ctx)
     keys = [b"k%d" % i for i in range(4)]
     out = manager.prepare_store(keys, ctx)
-    slots = [int(s) for s in out.store_spec.block_ids]
-    manager.complete_store(keys, ctx, success=transfer(ranks, "store", 1, [0, 1, 2, 3], slots))
+    seal = out.store_spec.generation
+    assert transfer(ranks, "store", 1, [0, 1, 2, 3], slots_of(out.store_spec), seal)
+    assert manager.complete_store(keys, ctx) == 0
     original = [r.ask(op="digest", blocks=[0, 1, 2, 3]) for r in ranks]
     assert original[0] != original[1], "the ranks hold different bytes"
     for r in ranks:
@@ -102,14 +107,17 @@ def test_a_rank_that_dies_mid_store_leaves_nothing_served_and_no_pin(cluster):
     manager.on_new_request(ctx)
     keys = [b"d%d" % i for i in range(6)]
     out = manager.prepare_store(keys, ctx)
-    slots = [int(s) for s in out.store_spec.block_ids]
-    assert ranks[0].ask(op="store", job=1, gpu=list(range(6)), slots=slots)["ok"]
+    slots, seal = slots_of(out.store_spec), out.store_spec.generation
+    assert ranks[0].ask(op="store", job=1, gpu=list(range(6)), slots=slots, seal=seal)["ok"]
     ranks[1].ask(op="slow", us=200_000)
-    assert ranks[1].ask(op="store", job=1, gpu=list(range(6)), slots=slots, wait=False)["ok"]
+    assert ranks[1].ask(
+        op="store", job=1, gpu=list(range(6)), slots=slots, seal=seal, wait=False
+    )["ok"]
     time.sleep(0.3)  # the rank is copying its second page
     ranks[1].kill()
-    # The connector learns the rank died: the job failed on one rank, so the store failed.
-    manager.complete_store(keys, ctx, success=False)
+    # Even a connector that completes the store as a success (vLLM 0.33 has no failure
+    # path) gets nothing served: the dead rank sealed none of the slots.
+    assert manager.complete_store(keys, ctx) == len(keys)
     for k in keys:
         assert manager.lookup(k, ctx) is kv.LookupResult.MISS
     manager.on_request_finished(ctx)
@@ -122,9 +130,11 @@ def test_a_rank_that_dies_mid_store_leaves_nothing_served_and_no_pin(cluster):
     full = [b"f%d" % i for i in range(8)]
     out = manager.prepare_store(full, ctx)
     assert out is not None and len(out.keys_to_store) == 8
-    ok = transfer(ranks, "store", 2, list(range(8)), [int(s) for s in out.store_spec.block_ids])
-    manager.complete_store(full, ctx, success=ok)
-    assert ok and all(manager.lookup(k, ctx) is kv.LookupResult.HIT for k in full)
+    ok = transfer(
+        ranks, "store", 2, list(range(8)), slots_of(out.store_spec), out.store_spec.generation
+    )
+    assert ok and manager.complete_store(full, ctx) == 0
+    assert all(manager.lookup(k, ctx) is kv.LookupResult.HIT for k in full)
 
 
 def test_a_rank_that_dies_mid_load_releases_the_pins(cluster):
@@ -133,8 +143,9 @@ def test_a_rank_that_dies_mid_load_releases_the_pins(cluster):
     manager.on_new_request(ctx)
     keys = [b"l%d" % i for i in range(4)]
     out = manager.prepare_store(keys, ctx)
-    slots = [int(s) for s in out.store_spec.block_ids]
-    manager.complete_store(keys, ctx, success=transfer(ranks, "store", 1, [0, 1, 2, 3], slots))
+    seal = out.store_spec.generation
+    assert transfer(ranks, "store", 1, [0, 1, 2, 3], slots_of(out.store_spec), seal)
+    assert manager.complete_store(keys, ctx) == 0
     want = ranks[1].ask(op="digest", blocks=[0, 1, 2, 3])
     src = [int(s) for s in manager.prepare_load(keys, ctx).block_ids]
     assert manager.stats()["load_pins"] == 4

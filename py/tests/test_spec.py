@@ -9,7 +9,10 @@ import kvtier
 import kvtier.vllm as kv
 
 
-def offloading_config(vllm, extra, *, worker_bytes=8192, world=1, rank=0, bpc=1, events=True):
+def offloading_config(
+    vllm, extra, *, worker_bytes=8192, world=1, rank=0, bpc=1, events=True,
+    model="test/model", tp=None, pp=1,
+):
     """An ``OffloadingConfig`` as vLLM's connector builds it for one KV cache group."""
     from vllm.v1.kv_offload import config as c
 
@@ -19,13 +22,13 @@ def offloading_config(vllm, extra, *, worker_bytes=8192, world=1, rank=0, bpc=1,
         enable_kv_cache_events=events,
         extra_config=extra,
         engine_id="engine-0",
-        model=c.OffloadingModelConfig(name="test/model", dtype="bfloat16", max_model_len=4096),
+        model=c.OffloadingModelConfig(name=model, dtype="bfloat16", max_model_len=4096),
         cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
         parallel=c.OffloadingParallelConfig(
             rank=rank,
             world_size=world,
-            tp_size=world,
-            pp_size=1,
+            tp_size=world if tp is None else tp,
+            pp_size=pp,
             pcp_size=1,
             dcp_size=1,
             data_parallel_index=0,
@@ -65,7 +68,17 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
     spec = OffloadingSpecFactory.create_spec(config)
     assert type(spec) is kv.KvtierOffloadingSpec
     manager = spec.get_manager()
+    import numpy as np
+
+    page = config.worker_kv_bytes_per_block
+    kv_tensor = np.arange(4 * page, dtype=np.uint32).astype(np.uint8).reshape(4, page)
+    caches = vllm.base.CanonicalKVCaches(
+        tensors=[vllm.base.CanonicalKVCacheTensor(tensor=kv_tensor, page_size_bytes=page)],
+        group_data_refs=[[vllm.base.CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
+    )
+    worker = spec.get_worker(caches)
     try:
+        assert isinstance(worker, vllm.base.OffloadingWorker)
         assert isinstance(manager, vllm.base.OffloadingManager)
         assert spec.get_manager() is manager
         assert spec.settings.num_blocks == 64
@@ -78,6 +91,11 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
             out = manager.prepare_store([key], ctx)
             assert isinstance(out, vllm.base.PrepareStoreOutput)
             assert isinstance(out.store_spec, vllm.base.LoadStoreSpec)
+        gpu = vllm.base.GPULoadStoreSpec([2], [1], [0])
+        assert worker.submit_store(1, gpu, out.store_spec)
+        worker.wait({1})
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+        with manager.lock:
             manager.complete_store(out.keys_to_store, ctx)
             assert manager.lookup(key, ctx) is vllm.LookupResult.HIT
             assert manager.get_load_source(key, ctx) == "host"
@@ -91,6 +109,7 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
         defs = kv.KvtierOffloadingSpec.build_metric_definitions(config.extra_config)
         assert "vllm:kv_offload_cpu_allocation_size" in defs
     finally:
+        worker.shutdown()
         manager.shutdown()
 
 
@@ -136,14 +155,23 @@ def test_no_kv_bytes_is_a_config_error(vllm, region_dir, tmp_path):
         )
 
 
-def test_a_tier_of_another_model_is_not_read(vllm, region_dir, tmp_path):
-    """The file tier records the model and layout; another deployment's tier is refused."""
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ({}, {"model": "test/other-model"}),
+        ({"tp": 2, "pp": 1, "world": 2}, {"tp": 1, "pp": 2, "world": 2}),
+    ],
+    ids=["model", "parallelism"],
+)
+def test_a_tier_of_another_deployment_is_not_read(vllm, region_dir, tmp_path, first, then):
+    """The file tier records the model, layout and parallelism; a tier written under others
+    (here with blocks of the very same size) is refused."""
     extra = readme_extra(region_dir, tmp_path / "tier")
-    m = kv.KvtierOffloadingSpec(offloading_config(vllm, extra)).get_manager()
-    m.shutdown()
-    other = offloading_config(vllm, extra, worker_bytes=4096)
-    with pytest.raises(kvtier.TierError, match="identity|model|layout"):
-        kv.KvtierOffloadingSpec(other).get_manager()
+    kv.KvtierOffloadingSpec(offloading_config(vllm, extra, **first)).get_manager().shutdown()
+    with pytest.raises(kvtier.TierError, match="holds blocks of"):
+        kv.KvtierOffloadingSpec(offloading_config(vllm, extra, **then)).get_manager()
+    # The same deployment opens it again.
+    kv.KvtierOffloadingSpec(offloading_config(vllm, extra, **first)).get_manager().shutdown()
 
 
 def test_works_without_vllm(tmp_path):
@@ -157,7 +185,9 @@ assert not any("vllm" in p for p in sys.path), sys.path
 import kvtier.vllm as kv
 from kvtier._standalone import ReqContext
 assert not kv.HAVE_VLLM
-m = kv.KvtierOffloadingManager(kv.Settings(num_blocks=2, region_path={str(tmp_path / "r")!r}))
+m = kv.KvtierOffloadingManager(
+    kv.Settings(num_blocks=2, region_path={str(tmp_path / "r")!r}, verify_stores=False)
+)
 ctx = ReqContext(req_id="a")
 m.on_new_request(ctx)
 keys = [b"k1", b"k2", b"k3"]

@@ -59,7 +59,8 @@ class Node:
             base.GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]),
             out.store_spec,
         )
-        self.manager.complete_store(out.keys_to_store, ctx, success=ok)
+        assert ok
+        self.manager.complete_store(out.keys_to_store, ctx)  # as vLLM 0.33 does
         self.manager.on_request_finished(ctx)
         self.manager.on_schedule_end(END)
         return out

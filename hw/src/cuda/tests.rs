@@ -5,8 +5,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::cudaError_enum;
 use kvtier_core::SlotId;
 
-use super::CudaEngine;
 use super::fake::{CALLER_CTX, Call, DEVICE_BASE, Fake};
+use super::{CudaEngine, Piece};
 use crate::engine::{
     BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, TransferEngine, TransferId,
 };
@@ -44,8 +44,7 @@ impl Rig {
                 self.region.clone(),
                 worker,
                 0,
-                DEVICE_BASE,
-                self.device_bytes(),
+                &[(DEVICE_BASE, self.device_bytes())],
             )
         }
     }
@@ -187,7 +186,7 @@ fn device_memory_the_driver_does_not_know_is_refused() {
     let len = r.device_bytes();
     let make = |base: u64, bytes: usize| {
         // SAFETY: the fake driver's memory; the engine is dropped at once.
-        unsafe { CudaEngine::with_api(r.fake.clone(), r.region.clone(), 0, 0, base, bytes) }
+        unsafe { CudaEngine::with_api(r.fake.clone(), r.region.clone(), 0, 0, &[(base, bytes)]) }
     };
     for (base, bytes, why) in [
         (DEVICE_BASE, len + 1, "is not in any allocation"),
@@ -518,4 +517,141 @@ fn a_job_that_cannot_wait_for_the_compute_stream_is_refused() {
     assert_eq!(r.fake.pending_copies(), 0);
     assert!(r.settle(&mut engine).is_empty());
     assert_eq!(r.fake.live_handles(), handles);
+}
+
+/// An engine over two device ranges (two KV tensors): a block made of one piece from each
+/// goes into one sub-slot, side by side, and back to other addresses, byte for byte.
+#[test]
+fn pieces_from_several_ranges_fill_one_sub_slot() {
+    let r = rig(4, 1, 8);
+    let half = BLOCK / 2;
+    let ranges = [
+        (DEVICE_BASE + 4 * BLOCK as u64, 2 * BLOCK),
+        (DEVICE_BASE, 2 * BLOCK),
+    ];
+    // SAFETY: the fake driver's memory, which lives as long as the fake.
+    let mut engine =
+        unsafe { CudaEngine::with_api(r.fake.clone(), r.region.clone(), 0, 0, &ranges) }.unwrap();
+    r.fake.device_write(0, &pattern(3)[..half]);
+    r.fake.device_write(4 * BLOCK, &pattern(4)[..half]);
+    let piece = |device: u64, at: usize| Piece {
+        slot: SlotId(2),
+        at,
+        device,
+        len: half,
+    };
+    engine
+        .submit_pieces(
+            TransferId(0),
+            Direction::ToRegion,
+            &[
+                piece(DEVICE_BASE, 0),
+                piece(DEVICE_BASE + 4 * BLOCK as u64, half),
+            ],
+        )
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(0), Ok(()))]), "{ends:?}");
+    let sub = r.sub_slot(2, 0);
+    assert!(sub[..half] == pattern(3)[..half] && sub[half..] == pattern(4)[..half]);
+    engine
+        .submit_pieces(
+            TransferId(1),
+            Direction::ToDevice,
+            &[
+                piece(DEVICE_BASE + BLOCK as u64, 0),
+                piece(DEVICE_BASE + 5 * BLOCK as u64, half),
+            ],
+        )
+        .unwrap();
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(1), Ok(()))]), "{ends:?}");
+    assert!(r.fake.device_read(BLOCK, half) == pattern(3)[..half]);
+    assert!(r.fake.device_read(5 * BLOCK, half) == pattern(4)[..half]);
+}
+
+/// A piece in the gap between two ranges, one across a range's end, or one past its
+/// sub-slot is refused before anything is queued; overlapping ranges are refused at once.
+#[test]
+fn pieces_outside_the_ranges_or_the_sub_slot_are_refused() {
+    let r = rig(4, 1, 8);
+    let ranges = [
+        (DEVICE_BASE, BLOCK),
+        (DEVICE_BASE + 4 * BLOCK as u64, BLOCK),
+    ];
+    // SAFETY: the fake driver's memory, which lives as long as the fake.
+    let mut engine =
+        unsafe { CudaEngine::with_api(r.fake.clone(), r.region.clone(), 0, 0, &ranges) }.unwrap();
+    let good = Piece {
+        slot: SlotId(0),
+        at: 0,
+        device: DEVICE_BASE,
+        len: 64,
+    };
+    for (bad, device_memory) in [
+        (
+            Piece {
+                device: DEVICE_BASE + 2 * BLOCK as u64,
+                ..good
+            },
+            true,
+        ),
+        (
+            Piece {
+                device: DEVICE_BASE + BLOCK as u64 - 32,
+                ..good
+            },
+            true,
+        ),
+        (
+            Piece {
+                device: u64::MAX - 10,
+                ..good
+            },
+            true,
+        ),
+        (
+            Piece {
+                at: BLOCK - 32,
+                ..good
+            },
+            false,
+        ),
+        (
+            Piece {
+                at: usize::MAX - 8,
+                ..good
+            },
+            false,
+        ),
+        (
+            Piece {
+                slot: SlotId(4),
+                ..good
+            },
+            false,
+        ),
+    ] {
+        let err = engine
+            .submit_pieces(TransferId(0), Direction::ToRegion, &[good, bad])
+            .unwrap_err();
+        if device_memory {
+            assert!(matches!(err, EngineError::DeviceMemory { .. }), "{err}");
+        } else {
+            assert!(
+                matches!(err, EngineError::Memory(RegionError::OutOfRange { .. })),
+                "{err}"
+            );
+        }
+    }
+    assert_eq!(r.fake.calls(Call::CopyToHost), 0);
+    assert!(r.settle(&mut engine).is_empty());
+    let overlapping = [
+        (DEVICE_BASE, 2 * BLOCK),
+        (DEVICE_BASE + BLOCK as u64, BLOCK),
+    ];
+    // SAFETY: as above; the engine is refused.
+    let err = unsafe { CudaEngine::with_api(r.fake.clone(), r.region.clone(), 0, 0, &overlapping) }
+        .unwrap_err();
+    assert!(err.to_string().contains("overlaps"), "{err}");
 }

@@ -30,6 +30,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 import numpy as np
 
 from kvtier import _native
@@ -69,6 +71,8 @@ _frombuffer = np.frombuffer
 #: The page every sub-slot of the region is aligned to.
 PAGE = 4096
 
+_log = logging.getLogger("kvtier")
+
 #: The metric names kvtier reports through vLLM's ``get_stats`` (those of vLLM's CPU tier).
 CPU_CACHE_USAGE_PERC = "vllm:kv_offload_cpu_cache_usage_perc"
 CPU_CACHE_WRITE_USAGE_PERC = "vllm:kv_offload_cpu_cache_write_usage_perc"
@@ -84,11 +88,16 @@ class KvtierLoadStoreSpec(_base.BlockIDsLoadStoreSpec):
     def chunk_ids(self) -> np.ndarray:
         return self.block_ids
 
+    #: A store's seal: each rank sets it on the slots once its copies are complete, and the
+    #: manager makes a block readable only when every rank did. ``None`` for a load.
+    generation: int | None = None
+
     @classmethod
-    def _packed(cls, slots: bytes) -> KvtierLoadStoreSpec:
+    def _packed(cls, slots: bytes, generation: int | None = None) -> KvtierLoadStoreSpec:
         """The spec of slots packed as native-endian int32s (the core's answer)."""
         spec = cls.__new__(cls)
         spec.block_ids = _frombuffer(slots, _INT32)
+        spec.generation = generation
         return spec
 
 
@@ -150,6 +159,10 @@ class Settings:
     io_threads: int = 4
     shutdown_timeout_s: float = 30.0
     attach_timeout_s: float = 60.0
+    #: Whether the manager makes a stored block readable only once every rank sealed its
+    #: copy (on whenever workers copy the blocks; off only where nothing does, as in a
+    #: replay of the calls alone).
+    verify_stores: bool = True
 
     @property
     def row_bytes(self) -> int:
@@ -196,14 +209,31 @@ class Settings:
                 raise ConfigError(f"kv_connector_extra_config.secondary_tiers[{i}]: not a table")
         region_dir = str(extra.get("region_dir", "/dev/shm"))
         engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(config.engine_id)) or "engine"
-        model = config.model
-        identity = (
-            f"{model.name}/{model.dtype}/{config.kv_cache_layout or 'default'}/"
-            f"world{workers}/chunk{per_worker}B/blocks{bpc}/"
-            f"tokens{','.join(str(g.tokens_per_block) for g in config.groups)}"
-        )
-        if len(identity.encode()) > 1024:
-            identity = "sha256:" + hashlib.sha256(identity.encode()).hexdigest()
+        model, par = config.model, config.parallel
+        # What a file tier's blocks are: a tier written under any other model, dtype, layout,
+        # parallelism or cache geometry is refused at open, never read.
+        groups = [
+            (g.group_id, g.tokens_per_block, g.sliding_window_size_in_chunks, list(g.layer_names))
+            for g in config.groups
+        ]
+        identity = "kvtier/vllm/" + hashlib.sha256(
+            repr(
+                (
+                    model.name, model.dtype, config.kv_cache_layout, groups,
+                    workers, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size,
+                    worker_bytes, bpc, config.cache.tokens_per_hash,
+                    bool(config.replicated_layout), bool(config.canonical_layout),
+                )
+            ).encode()
+        ).hexdigest()
+        # Data-parallel engines on one node share the config: each gets its own directory.
+        if int(par.data_parallel_size) > 1:
+            tiers = [
+                {**t, "path": os.path.join(str(t.get("path", "")), f"dp{par.data_parallel_index}")}
+                if "path" in t
+                else t
+                for t in tiers
+            ]
         return cls(
             num_blocks=num_blocks,
             policy=policy,
@@ -255,6 +285,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
             io_threads=settings.io_threads,
             shutdown_timeout_s=settings.shutdown_timeout_s,
             prefault_threads=prefault_threads,
+            verify_stores=settings.verify_stores,
         )
         self._lock = threading.Lock()
         # The per-block calls go straight to the core: no Python frame in between.
@@ -302,10 +333,10 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         out = self._native.prepare_store(keys, req_context)
         if out is None:
             return None
-        keys_to_store, slots, evicted = out
+        keys_to_store, slots, evicted, generation = out
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,
-            store_spec=KvtierLoadStoreSpec._packed(slots),
+            store_spec=KvtierLoadStoreSpec._packed(slots, generation),
             evicted_keys=evicted,
         )
 
@@ -394,49 +425,77 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         self._native.shutdown()
 
 
-def _tensor_address(tensor: Any, page_stride: int) -> tuple[int, int]:
-    """The address of block 0 and the number of blocks of a host KV tensor."""
+def _tensor_address(tensor: Any, page_stride: int) -> tuple[int, int, int | None, Any]:
+    """The address of block 0, the number of blocks and the GPU (``None``: host memory) of a
+    KV tensor, and the object that keeps its memory alive and in place.
+
+    Each block must be one contiguous page of ``page_stride`` bytes, the blocks one after the
+    other: the handler copies a block's bytes from its address on."""
+    device = None
     if hasattr(tensor, "data_ptr"):  # a torch tensor
-        if getattr(tensor, "is_cuda", False) or str(getattr(tensor, "device", "cpu")) != "cpu":
-            raise TransferError(
-                "this kvtier build copies host KV tensors only; the KV cache is on "
-                f"{tensor.device}"
+        if getattr(tensor, "is_cuda", False):
+            device = tensor.device.index if tensor.device.index is not None else 0
+        elif str(getattr(tensor, "device", "cpu")) != "cpu":
+            raise ConfigError(
+                f"kv_caches: a KV tensor is on {tensor.device}; kvtier copies host and CUDA "
+                "memory"
             )
-        stride = tensor.stride(0) * tensor.element_size()
+        if not tensor.is_contiguous():
+            raise ConfigError("kv_caches: a KV tensor is not contiguous")
         blocks = int(tensor.shape[0])
-        address = int(tensor.data_ptr())
+        nbytes = tensor.numel() * tensor.element_size()
+        address, keep = int(tensor.data_ptr()), tensor
     else:  # a numpy array or any writable buffer
-        array = tensor if isinstance(tensor, np.ndarray) else np.frombuffer(tensor, np.uint8)
+        if isinstance(tensor, np.ndarray):
+            array = tensor
+        else:
+            # A view of the buffer, held: it keeps the buffer exported (a bytearray cannot be
+            # resized under it) and alive.
+            array = np.frombuffer(memoryview(tensor), np.uint8)
         if not array.flags.writeable:
             raise ConfigError("kv_caches: a KV tensor is read-only")
-        if array.ndim == 1:
-            blocks, stride = array.nbytes // page_stride, page_stride
-        else:
-            blocks, stride = int(array.shape[0]), int(array.strides[0])
-        address = int(array.ctypes.data)
-    if stride != page_stride:
+        if not array.flags.c_contiguous:
+            raise ConfigError("kv_caches: a KV tensor is not contiguous")
+        nbytes = array.nbytes
+        blocks = nbytes // page_stride if array.ndim <= 1 else int(array.shape[0])
+        address, keep = int(array.ctypes.data), array
+    if blocks * page_stride != nbytes:
         raise ConfigError(
-            f"kv_caches: a tensor's blocks are {stride} bytes apart, its page is {page_stride}"
+            f"kv_caches: a tensor of {nbytes} bytes is not {blocks} blocks of {page_stride}"
         )
-    return address, blocks
+    return address, blocks, device, keep
 
 
 class KvtierOffloadingWorker(_base.OffloadingWorker):
     """vLLM 0.33's ``OffloadingWorker`` for one rank: copies its KV tensors' blocks to and
-    from its part of the shared region, on a copy thread (``submit_*`` never blocks)."""
+    from its part of the shared region (``submit_*`` never blocks).
+
+    Host tensors are copied on a copy thread; CUDA tensors by kvtier's CUDA engine, each job
+    ordered after the work queued so far on the current CUDA stream (a store waits for the
+    kernels that write its blocks, a load for those that read the blocks it overwrites)."""
 
     def __init__(self, kv_caches: Any, settings: Settings, *, rank: int | None = None):
         self.settings = settings
-        # The tensors stay alive as long as the handler copies from their addresses.
-        self._tensors = [t.tensor for t in kv_caches.tensors]
-        groups = []
+        groups, devices, keep = [], set(), []
         for refs in kv_caches.group_data_refs:
             group = []
             for ref in refs:
                 t = kv_caches.tensors[ref.tensor_idx]
-                address, blocks = _tensor_address(t.tensor, int(t.page_size_bytes))
+                address, blocks, device, held = _tensor_address(t.tensor, int(t.page_size_bytes))
+                devices.add(device)
+                keep.append(held)
                 group.append((address, blocks, int(t.page_size_bytes), int(ref.page_size_bytes)))
             groups.append(group)
+        if len(devices) > 1:
+            raise ConfigError(f"kv_caches: the KV tensors are on several devices {devices}")
+        self._device = devices.pop() if devices else None
+        self._stream = None
+        if self._device is not None:
+            import torch
+
+            device = torch.device("cuda", self._device)
+            self._stream = lambda: torch.cuda.current_stream(device).cuda_stream
+        self._stores: set[int] = set()
         self._native = _native.Worker(
             region_path=settings.region_path,
             rows=settings.num_blocks,
@@ -446,6 +505,9 @@ class KvtierOffloadingWorker(_base.OffloadingWorker):
             groups=groups,
             blocks_per_chunk=settings.blocks_per_chunk,
             attach_timeout_s=settings.attach_timeout_s,
+            device=self._device,
+            # Held by the handler until its copies have stopped.
+            tensors=keep,
         )
 
     @staticmethod
@@ -457,23 +519,45 @@ class KvtierOffloadingWorker(_base.OffloadingWorker):
             sizes, indices = [len(ids)], [0]
         return ids, [int(s) for s in sizes], [int(i) for i in indices]
 
+    def _submit(self, job_id: int, store: bool, gpu_spec: Any, slots_spec: Any) -> bool:
+        ids, sizes, indices = self._gpu(gpu_spec)
+        slots = [int(s) for s in slots_spec.block_ids]
+        stream = self._stream() if self._stream is not None else None
+        seal = getattr(slots_spec, "generation", None) if store else None
+        if store:
+            self._stores.add(job_id)
+        return self._native.submit(job_id, store, ids, sizes, indices, slots, stream, seal)
+
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        ids, sizes, indices = self._gpu(src_spec)
-        slots = [int(s) for s in dst_spec.block_ids]
-        return self._native.submit(job_id, True, ids, sizes, indices, slots)
+        return self._submit(job_id, True, src_spec, dst_spec)
 
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
     ) -> bool:
-        ids, sizes, indices = self._gpu(dst_spec)
-        slots = [int(s) for s in src_spec.block_ids]
-        return self._native.submit(job_id, False, ids, sizes, indices, slots)
+        return self._submit(job_id, False, dst_spec, src_spec)
 
     def get_finished(self) -> list[Any]:
-        return [
-            TransferResult(job_id=j, success=ok, transfer_size=size, transfer_time=secs)
-            for j, ok, size, secs in self._native.get_finished()
-        ]
+        """The jobs that ended since the last call.
+
+        vLLM 0.33 cannot handle a failed transfer (its worker asserts that each succeeded).
+        A failed store is reported finished: its rank never sealed its slots, so the manager,
+        which checks every rank's seal, does not make its blocks readable, and the store is
+        simply not cached. A failed load cannot be hidden (the GPU blocks it was to fill hold
+        no valid KV), so it raises ``TransferError`` with the reason."""
+        results = []
+        for j, ok, size, secs in self._native.get_finished():
+            store = j in self._stores
+            self._stores.discard(j)
+            if not ok:
+                reason = self._native.error(j)
+                if not store:
+                    raise TransferError(f"load job {j} failed: {reason}")
+                _log.warning("store job %d failed, its blocks are not cached: %s", j, reason)
+                ok = self.settings.verify_stores
+            results.append(
+                TransferResult(job_id=j, success=ok, transfer_size=size, transfer_time=secs)
+            )
+        return results
 
     def error(self, job_id: int) -> str | None:
         """Why job ``job_id`` failed, if it did."""
