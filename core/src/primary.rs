@@ -395,9 +395,10 @@ impl Primary {
         slot.state == SlotState::Ready && slot.load_pins == 0 && slot.job_pins == 0
     }
 
-    /// The slots that the last admission (a store's or a promotion's) freed by evicting,
-    /// in the order of its evicted keys; stale until the next admission that evicts. An
-    /// embedding uses it to pair the evicted keys of a store with what it kept per slot.
+    /// The slots that the last admission (a store's or a promotion's) freed by evicting, in
+    /// the order of its evicted keys. Every admission replaces them; after a refused one
+    /// (no room) they are candidates that were not evicted. An embedding uses it, right after
+    /// a successful store, to pair the evicted keys with what it kept per slot.
     pub fn last_evicted_slots(&self) -> impl ExactSizeIterator<Item = SlotId> + '_ {
         self.victims.iter().map(|&v| SlotId(v))
     }
