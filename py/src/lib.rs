@@ -10,6 +10,7 @@
 //! a refused call leaves the state as it was.
 
 mod errors;
+mod log;
 mod manager;
 #[allow(unsafe_code)]
 mod worker;
@@ -25,6 +26,7 @@ fn cuda_driver_present() -> bool {
 /// The module `kvtier._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    log::install();
     m.add_class::<manager::Manager>()?;
     m.add_class::<worker::Worker>()?;
     errors::register(m)?;

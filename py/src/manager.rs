@@ -719,7 +719,8 @@ impl Manager {
     fn on_schedule_end(&self, py: Python<'_>, context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let _ = context;
         self.lock(py).driver()?.end_step();
-        Ok(())
+        // Once a step, the step's warnings (a failed tier job, say) reach Python's logging.
+        crate::log::flush(py)
     }
 
     /// vLLM's `take_events`: `(tier, kind, keys)` with `tier` -1 for the primary and `kind`

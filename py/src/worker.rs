@@ -190,7 +190,7 @@ impl Shared {
         match result {
             Ok(bytes) => done.finished.push((job.id, true, bytes, secs)),
             Err(e) => {
-                tracing::warn!(job = job.id, error = %e, "transfer failed");
+                tracing::debug!(job = job.id, error = %e, "transfer failed");
                 done.finished.push((job.id, false, 0, secs));
                 done.keep_error(job.id, e);
             }
@@ -398,14 +398,15 @@ impl Worker {
     }
 
     /// The jobs that ended since the last call: `(job_id, success, bytes, seconds)`.
-    fn get_finished(&self) -> Vec<Finished> {
+    fn get_finished(&self, py: Python<'_>) -> PyResult<Vec<Finished>> {
         self.poll_gpu();
+        crate::log::flush(py)?;
         let mut done = self
             .shared
             .done
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        std::mem::take(&mut done.finished)
+        Ok(std::mem::take(&mut done.finished))
     }
 
     /// Why job `job_id` failed, if it did (kept until the handler shuts down).
@@ -635,7 +636,7 @@ impl Worker {
                         .finished
                         .push((job, true, bytes, elapsed.as_secs_f64())),
                     Err(e) => {
-                        tracing::warn!(job, error = %e, "GPU transfer failed");
+                        tracing::debug!(job, error = %e, "GPU transfer failed");
                         done.finished.push((job, false, 0, elapsed.as_secs_f64()));
                         done.keep_error(job, e.to_string());
                     }

@@ -187,3 +187,33 @@ def test_a_failed_store_never_cascades(region_dir, tmp_path):
         assert all(e.metadata_only for e in events if e.removed)
     finally:
         node.close()
+
+
+def test_a_corrupt_tier_block_is_not_served_and_the_warning_reaches_python(
+    region_dir, tmp_path, caplog
+):
+    caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(8))
+    node = Node(region_dir, tmp_path / "tier", caches)
+    try:
+        node.store([b"c"], [0])
+        node.settle()
+        block = copied(caches, 0, 0)[0].tobytes()
+        data = max((tmp_path / "tier").iterdir(), key=lambda p: p.stat().st_size)
+        with open(data, "r+b") as f:  # flip bytes of the block's payload on disk
+            at = f.read().find(block[:256])
+            assert at >= 0, "the block's bytes are in the tier's data file"
+            f.seek(at + 1000)
+            f.write(bytes(b ^ 0xFF for b in block[1000:1064]))
+        node.manager.reset_cache()
+        node.manager.on_reset_flushed()
+        ctx = node.request()
+        with caplog.at_level("WARNING", logger="kvtier"):
+            result, seen = node.lookup_until_settled(b"c", ctx)
+            node.manager.on_schedule_end(END)
+        assert seen[0] is kv.LookupResult.HIT_PENDING  # a promotion was tried
+        assert result is kv.LookupResult.MISS  # and failed: the block is not served
+        logged = " ".join(r.getMessage() for r in caplog.records if r.name == "kvtier")
+        assert "failed verification" in logged, logged
+        assert node.manager.stats()["load_pins"] == 0
+    finally:
+        node.close()

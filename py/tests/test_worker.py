@@ -141,13 +141,16 @@ def test_chunks_of_several_blocks_and_an_unaligned_load(rig):
 
 
 @pytest.mark.parametrize("rig", [([[(256, 256)]], 1)], indirect=True, ids=["one-tensor"])
-def test_a_failed_copy_is_never_served(rig):
+def test_a_failed_copy_is_never_served(rig, caplog):
     # GPU block 99 does not exist: the job fails, the store is reported failed, the key
     # is not served.
     # vLLM 0.33 cannot take a failed transfer: the job is reported finished, and the store
     # completed as a success, but the rank never sealed the slots, so the manager refuses it.
-    result = rig.store([b"a", b"b"], [1, 99])
+    with caplog.at_level("WARNING", logger="kvtier"):
+        result = rig.store([b"a", b"b"], [1, 99])
     assert "outside" in rig.worker.error(result.job_id)
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "kvtier")
+    assert "not cached" in logged and "unsealed" in logged, logged
     for k in (b"a", b"b"):
         assert rig.manager.lookup(k, rig.ctx) is kv.LookupResult.MISS
     # Every slot is free again: a full store succeeds.
