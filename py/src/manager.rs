@@ -73,6 +73,8 @@ struct Inner {
     generation: u64,
     /// Whether `complete_store(success=True)` checks the workers' seals.
     verify: bool,
+    /// Blocks of stores reported complete that a worker had not sealed, since the start.
+    unsealed: u64,
     /// Ranks writing each slot.
     workers: u16,
     /// Whether there are secondary tiers (a lookup may start a promotion).
@@ -382,6 +384,7 @@ impl Manager {
                 sealed_with: vec![0; num_blocks as usize],
                 generation: 0,
                 verify: verify_stores,
+                unsealed: 0,
                 workers,
                 tiers: !tiers.is_empty(),
             }),
@@ -616,8 +619,8 @@ impl Manager {
     /// With `verify_stores`, a store reported successful is made readable only for the keys
     /// whose slot every worker sealed with the value `prepare_store` gave it: a copy that
     /// failed, or a worker that died, leaves its seal unset, and those keys end as failed
-    /// stores (their slots go back, nothing is served). The count of such keys is answered
-    /// (0 without `verify_stores` or when all were sealed).
+    /// stores (their slots go back, nothing is served), counted in `stats()["unsealed"]`.
+    /// Answers how many keys of this call were refused so (0 without `verify_stores`).
     #[pyo3(signature = (keys, req_context, success = true))]
     fn complete_store(
         &self,
@@ -661,6 +664,7 @@ impl Manager {
             if !unsealed.is_empty() {
                 driver.complete_store(req, &unsealed, false);
             }
+            inner.unsealed += unsealed.len() as u64;
             Ok(unsealed.len())
         });
         inner.keys = k;
@@ -816,6 +820,7 @@ impl Manager {
         d.set_item("job_pins", s.job_pins)?;
         d.set_item("jobs_outstanding", s.jobs_outstanding)?;
         d.set_item("step", s.step)?;
+        d.set_item("unsealed", inner.unsealed)?;
         let tiers = PyList::empty(py);
         for (health, t) in &s.tiers {
             let td = PyDict::new(py);

@@ -87,7 +87,8 @@ def test_two_ranks_store_and_load_their_own_bytes(cluster):
     out = manager.prepare_store(keys, ctx)
     seal = out.store_spec.generation
     assert transfer(ranks, "store", 1, [0, 1, 2, 3], slots_of(out.store_spec), seal)
-    assert manager.complete_store(keys, ctx) == 0
+    manager.complete_store(keys, ctx)
+    assert manager.stats()["unsealed"] == 0
     original = [r.ask(op="digest", blocks=[0, 1, 2, 3]) for r in ranks]
     assert original[0] != original[1], "the ranks hold different bytes"
     for r in ranks:
@@ -117,7 +118,8 @@ def test_a_rank_that_dies_mid_store_leaves_nothing_served_and_no_pin(cluster):
     ranks[1].kill()
     # Even a connector that completes the store as a success (vLLM 0.33 has no failure
     # path) gets nothing served: the dead rank sealed none of the slots.
-    assert manager.complete_store(keys, ctx) == len(keys)
+    manager.complete_store(keys, ctx)
+    assert manager.stats()["unsealed"] == len(keys)
     for k in keys:
         assert manager.lookup(k, ctx) is kv.LookupResult.MISS
     manager.on_request_finished(ctx)
@@ -133,7 +135,8 @@ def test_a_rank_that_dies_mid_store_leaves_nothing_served_and_no_pin(cluster):
     ok = transfer(
         ranks, "store", 2, list(range(8)), slots_of(out.store_spec), out.store_spec.generation
     )
-    assert ok and manager.complete_store(full, ctx) == 0
+    manager.complete_store(full, ctx)
+    assert ok and manager.stats()["unsealed"] == 6
     assert all(manager.lookup(k, ctx) is kv.LookupResult.HIT for k in full)
 
 
@@ -145,7 +148,8 @@ def test_a_rank_that_dies_mid_load_releases_the_pins(cluster):
     out = manager.prepare_store(keys, ctx)
     seal = out.store_spec.generation
     assert transfer(ranks, "store", 1, [0, 1, 2, 3], slots_of(out.store_spec), seal)
-    assert manager.complete_store(keys, ctx) == 0
+    manager.complete_store(keys, ctx)
+    assert manager.stats()["unsealed"] == 0
     want = ranks[1].ask(op="digest", blocks=[0, 1, 2, 3])
     src = [int(s) for s in manager.prepare_load(keys, ctx).block_ids]
     assert manager.stats()["load_pins"] == 4
