@@ -29,6 +29,19 @@ walk() {
 oracle() { # vLLM 0.33's own manager (needs scripts/vllm-oracle-setup.sh's install)
   PROPTEST_CASES=3000 cargo test --release -p kvtier-model --test reference_vs_vllm
 }
+pytest() { # the Python package's tests named by $1 (needs scripts/py-setup.sh's venv)
+  local venv out
+  venv=$(bash scripts/py-setup.sh) || return 1
+  out=$(mktemp -d)
+  PATH="$venv/bin:$PATH" maturin build --quiet --release -m py/Cargo.toml -i "$venv/bin/python" \
+      --out "$out/wheel" &&
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps --target "$out/site" \
+      "$out"/wheel/*.whl &&
+    PYTHONPATH="$out/site" "$venv/bin/python" -m pytest -q -x -p no:cacheprovider "py/tests/$1"
+  local status=$?
+  rm -rf "$out"
+  return $status
+}
 
 missed=0
 caught=0
@@ -36,13 +49,14 @@ caught=0
 while IFS='|' read -r mutant checker expect; do
   [ -z "$mutant" ] && continue
   export KVTIER_MUTANT="$mutant"
-  touch core/src/lib.rs # the wrapper's flag is invisible to cargo: force kvtier-core to rebuild
+  touch core/src/lib.rs py/src/lib.rs # the wrapper's flag is invisible to cargo: force a rebuild
   case "$checker" in
     stateright:*) stateright "${checker#stateright:}" >"$log" 2>&1 ;;
     differential) differential >"$log" 2>&1 ;;
     corpus) corpus >"$log" 2>&1 ;;
     oracle) oracle >"$log" 2>&1 ;;
     walk) walk >"$log" 2>&1 ;;
+    pytest:*) pytest "${checker#pytest:}" >"$log" 2>&1 ;;
   esac
   status=$?
   if [ $status -ne 0 ] && grep -q -- "$expect" "$log"; then
@@ -68,8 +82,10 @@ no_step_gate|differential|after op
 no_step_gate|corpus|after op
 arc_no_fallback|oracle|prepare_store: core
 arc_no_fallback|walk|evictable
+skip_seal_check|pytest:test_multiprocess.py|unsealed
+no_store_positions|pytest:test_differential.py|prepare_store
 TABLE
 unset KVTIER_MUTANT
-touch core/src/lib.rs
+touch core/src/lib.rs py/src/lib.rs
 echo "negative tests: $caught passed, $missed failed"
 [ "$missed" -eq 0 ]
