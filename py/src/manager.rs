@@ -13,7 +13,7 @@ use std::time::Duration;
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
 use kvtier_core::{
     BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind, RequestId,
@@ -25,15 +25,6 @@ use kvtier_hw::{
 
 use crate::errors;
 
-/// `prepare_store`'s answer: the keys to store (the caller's objects), their slots, the
-/// evicted keys, and the seal value the workers set once their copies are complete.
-type StoreAnswer<'py> = (
-    Bound<'py, PyList>,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyList>,
-    u64,
-);
-
 /// Slot ids as packed native-endian `int32`s (numpy reads them without a Python list).
 fn packed_slots<'py>(py: Python<'py>, slots: &[kvtier_core::SlotId]) -> Bound<'py, PyBytes> {
     let mut b = Vec::with_capacity(slots.len() * 4);
@@ -41,6 +32,99 @@ fn packed_slots<'py>(py: Python<'py>, slots: &[kvtier_core::SlotId]) -> Bound<'p
         b.extend_from_slice(&(s.0 as i32).to_ne_bytes());
     }
     PyBytes::new(py, &b)
+}
+
+/// The Python classes of the answers built here, and numpy's `frombuffer` and `int32`.
+struct Classes {
+    output: Py<PyType>,
+    spec: Py<PyType>,
+    request: Py<PyType>,
+    chunk_level: Py<PyAny>,
+    frombuffer: Py<PyAny>,
+    int32: Py<PyAny>,
+}
+
+impl Classes {
+    fn new(
+        py: Python<'_>,
+        output: Bound<'_, PyType>,
+        spec: Bound<'_, PyType>,
+        request: Bound<'_, PyType>,
+        chunk_level: Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let numpy = py.import("numpy")?;
+        Ok(Classes {
+            output: output.unbind(),
+            spec: spec.unbind(),
+            request: request.unbind(),
+            chunk_level: chunk_level.unbind(),
+            frombuffer: numpy.getattr("frombuffer")?.unbind(),
+            int32: numpy.getattr("dtype")?.call1(("int32",))?.unbind(),
+        })
+    }
+
+    /// A new instance of `cls` with `attrs` set, as its dataclass `__init__` would set them
+    /// (`object.__new__`, then the attributes: no Python frame runs).
+    fn make<'py>(
+        py: Python<'py>,
+        cls: &Py<PyType>,
+        attrs: &[(&Bound<'py, PyString>, Bound<'py, PyAny>)],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let cls = cls.bind(py);
+        let obj = cls.call_method1(intern!(py, "__new__"), (cls,))?;
+        for (name, value) in attrs {
+            obj.setattr(*name, value)?;
+        }
+        Ok(obj)
+    }
+
+    /// The spec of `slots`: `block_ids` a numpy `int32` array, and a store's seal value.
+    fn spec<'py>(
+        &self,
+        py: Python<'py>,
+        slots: &[kvtier_core::SlotId],
+        generation: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let packed = packed_slots(py, slots);
+        let ids = self
+            .frombuffer
+            .bind(py)
+            .call1((packed, self.int32.bind(py)))?;
+        let generation = generation.into_pyobject(py)?.into_any();
+        Self::make(
+            py,
+            &self.spec,
+            &[
+                (intern!(py, "block_ids"), ids),
+                (intern!(py, "generation"), generation),
+            ],
+        )
+    }
+
+    /// vLLM's `RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)`.
+    fn request<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let policy = self.chunk_level.bind(py).clone();
+        Self::make(py, &self.request, &[(intern!(py, "policy"), policy)])
+    }
+
+    /// vLLM's `PrepareStoreOutput(keys_to_store, store_spec, evicted_keys)`.
+    fn output<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Bound<'py, PyList>,
+        spec: Bound<'py, PyAny>,
+        evicted: Bound<'py, PyList>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        Self::make(
+            py,
+            &self.output,
+            &[
+                (intern!(py, "keys_to_store"), keys.into_any()),
+                (intern!(py, "store_spec"), spec),
+                (intern!(py, "evicted_keys"), evicted.into_any()),
+            ],
+        )
+    }
 }
 
 /// One event: the tier (-1 for the primary), the kind (0 stored, 1 removed, 2 discarded) and
@@ -163,6 +247,9 @@ pub(crate) struct Manager {
     inner: Mutex<Inner>,
     /// What `lookup` answers: the caller's Miss, Hit, HitPending and Retry objects.
     answers: [Py<PyAny>; 4],
+    /// The classes of `prepare_store`'s answer and of a load or store spec (vLLM's
+    /// `PrepareStoreOutput` and kvtier's spec), made here without a Python frame.
+    classes: Classes,
     region_path: PathBuf,
     num_blocks: u32,
     row_bytes: usize,
@@ -289,7 +376,7 @@ impl Manager {
     /// secondary tiers (blocks found on disk are restored).
     #[new]
     #[pyo3(signature = (*, num_blocks, policy, region_path, block_bytes_per_worker, workers,
-        answers, tiers = Vec::new(), events = true, store_threshold = 0,
+        answers, output_class, spec_class, request_class, chunk_level, tiers = Vec::new(), events = true, store_threshold = 0,
         max_tracker_size = 64_000, identity = String::new(), io_threads = 4,
         shutdown_timeout_s = 30.0, prefault_threads = 4, verify_stores = false))]
     #[allow(clippy::too_many_arguments)]
@@ -301,6 +388,10 @@ impl Manager {
         block_bytes_per_worker: usize,
         workers: u16,
         answers: [Py<PyAny>; 4],
+        output_class: Bound<'_, PyType>,
+        spec_class: Bound<'_, PyType>,
+        request_class: Bound<'_, PyType>,
+        chunk_level: Bound<'_, PyAny>,
         tiers: Vec<Bound<'_, PyDict>>,
         events: bool,
         store_threshold: u32,
@@ -389,6 +480,7 @@ impl Manager {
                 tiers: !tiers.is_empty(),
             }),
             answers,
+            classes: Classes::new(py, output_class, spec_class, request_class, chunk_level)?,
             region_path,
             num_blocks,
             row_bytes: row,
@@ -475,22 +567,28 @@ impl Manager {
             .is_some_and(|s| s.contains(&Key::new(key.as_bytes()))))
     }
 
-    /// vLLM's `on_new_request`.
-    fn on_new_request(&self, py: Python<'_>, req_context: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut inner = self.lock(py);
-        let req = inner.request_of(req_context)?;
-        inner.driver()?.new_request(req);
-        Ok(())
+    /// vLLM's `on_new_request`: answers a new `RequestOffloadingContext` (every block of the
+    /// request offloaded as it is computed).
+    fn on_new_request<'py>(
+        &self,
+        py: Python<'py>,
+        req_context: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        {
+            let mut inner = self.lock(py);
+            let req = inner.request_of(req_context)?;
+            inner.driver()?.new_request(req);
+        }
+        self.classes.request(py)
     }
 
-    /// vLLM's `prepare_load`: pins the blocks and answers their slots, in order, as packed
-    /// `int32`s.
+    /// vLLM's `prepare_load`: pins the blocks and answers the spec of their slots, in order.
     fn prepare_load<'py>(
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         req_context: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let items = items(keys)?;
         let positions = positions(req_context);
         let mut inner = self.lock(py);
@@ -499,7 +597,9 @@ impl Manager {
             .begin(&mut k, req_context, &items, positions.as_ref())
             .and_then(|req| inner.driver()?.prepare_load(req, &k).map_err(errors::hw));
         inner.keys = k;
-        Ok(packed_slots(py, &out?))
+        let slots = out?;
+        drop(inner);
+        self.classes.spec(py, &slots, None)
     }
 
     /// vLLM's `touch(keys, req_context)`.
@@ -540,7 +640,7 @@ impl Manager {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         req_context: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<StoreAnswer<'py>>> {
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let items = items(keys)?;
         let positions = positions(req_context);
         let mut inner = self.lock(py);
@@ -610,8 +710,8 @@ impl Manager {
                 None => evicted.append(PyBytes::new(py, key.as_bytes()))?,
             }
         }
-        let slots = packed_slots(py, &prepared.slots);
-        Ok(Some((to_store, slots, evicted, generation)))
+        let spec = self.classes.spec(py, &prepared.slots, Some(generation))?;
+        self.classes.output(py, to_store, spec, evicted).map(Some)
     }
 
     /// vLLM's `complete_store(keys, req_context, success=True)`.
@@ -620,7 +720,6 @@ impl Manager {
     /// whose slot every worker sealed with the value `prepare_store` gave it: a copy that
     /// failed, or a worker that died, leaves its seal unset, and those keys end as failed
     /// stores (their slots go back, nothing is served), counted in `stats()["unsealed"]`.
-    /// Answers how many keys of this call were refused so (0 without `verify_stores`).
     #[pyo3(signature = (keys, req_context, success = true))]
     fn complete_store(
         &self,
@@ -628,7 +727,7 @@ impl Manager {
         keys: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
         success: bool,
-    ) -> PyResult<usize> {
+    ) -> PyResult<()> {
         let id = req_id(req_context)?;
         let mut inner = self.lock(py);
         // A completion may come after the request finished: it names no record then.
@@ -679,7 +778,7 @@ impl Manager {
                 .call_method1("getLogger", ("kvtier",))?
                 .call_method1("warning", (msg,))?;
         }
-        Ok(refused)
+        Ok(())
     }
 
     /// vLLM's `on_request_finished`: the request's key positions (from

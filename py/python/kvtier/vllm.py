@@ -65,9 +65,6 @@ __all__ = [
     "Settings",
 ]
 
-_INT32 = np.dtype(np.int32)
-_frombuffer = np.frombuffer
-
 #: The page every sub-slot of the region is aligned to.
 PAGE = 4096
 
@@ -91,14 +88,6 @@ class KvtierLoadStoreSpec(_base.BlockIDsLoadStoreSpec):
     #: A store's seal: each rank sets it on the slots once its copies are complete, and the
     #: manager makes a block readable only when every rank did. ``None`` for a load.
     generation: int | None = None
-
-    @classmethod
-    def _packed(cls, slots: bytes, generation: int | None = None) -> KvtierLoadStoreSpec:
-        """The spec of slots packed as native-endian int32s (the core's answer)."""
-        spec = cls.__new__(cls)
-        spec.block_ids = _frombuffer(slots, _INT32)
-        spec.generation = generation
-        return spec
 
 
 def _page_align(n: int) -> int:
@@ -277,6 +266,10 @@ class KvtierOffloadingManager(_base.OffloadingManager):
                 LookupResult.HIT_PENDING,
                 LookupResult.RETRY,
             ),
+            output_class=PrepareStoreOutput,
+            spec_class=KvtierLoadStoreSpec,
+            request_class=RequestOffloadingContext,
+            chunk_level=_base.OffloadPolicy.CHUNK_LEVEL,
             tiers=[dict(t) for t in settings.tiers],
             events=settings.events,
             store_threshold=settings.store_threshold,
@@ -290,6 +283,10 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         self._lock = threading.Lock()
         # The per-block calls go straight to the core: no Python frame in between.
         self.lookup = self._native.lookup
+        self.prepare_store = self._native.prepare_store
+        self.prepare_load = self._native.prepare_load
+        self.on_new_request = self._native.on_new_request
+        self.complete_store = self._native.complete_store
         self.complete_load = self._native.complete_load
         self.touch = self._native.touch
         self.on_request_finished = self._native.on_request_finished
@@ -320,7 +317,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[bytes], req_context: Any) -> KvtierLoadStoreSpec:
-        return KvtierLoadStoreSpec._packed(self._native.prepare_load(keys, req_context))
+        return self._native.prepare_load(keys, req_context)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
         self._native.touch(keys)
@@ -329,15 +326,8 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         self._native.complete_load(keys)
 
     def prepare_store(self, keys: Collection[bytes], req_context: Any) -> Any:
-        out = self._native.prepare_store(keys, req_context)
-        if out is None:
-            return None
-        keys_to_store, slots, evicted, generation = out
-        return PrepareStoreOutput(
-            keys_to_store=keys_to_store,
-            store_spec=KvtierLoadStoreSpec._packed(slots, generation),
-            evicted_keys=evicted,
-        )
+        # A PrepareStoreOutput (its store_spec a KvtierLoadStoreSpec), or None: no room.
+        return self._native.prepare_store(keys, req_context)
 
     def complete_store(
         self, keys: Collection[bytes], req_context: Any, success: bool = True
@@ -346,8 +336,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         self._native.complete_store(keys, req_context, success)
 
     def on_new_request(self, req_context: Any) -> Any:
-        self._native.on_new_request(req_context)
-        return RequestOffloadingContext()
+        return self._native.on_new_request(req_context)
 
     def on_request_finished(self, req_context: Any) -> None:
         self._native.on_request_finished(req_context)
