@@ -172,11 +172,16 @@ struct Inner {
     last: Option<(Py<PyAny>, RequestId)>,
 }
 
+/// The driver, or the error of a manager that has shut down.
+fn live(driver: &mut Option<Driver>) -> PyResult<&mut Driver> {
+    driver
+        .as_mut()
+        .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))
+}
+
 impl Inner {
     fn driver(&mut self) -> PyResult<&mut Driver> {
-        self.driver
-            .as_mut()
-            .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))
+        live(&mut self.driver)
     }
 
     /// For a call that stores or loads `items`: their keys into `keys`, and the positions the
@@ -194,10 +199,7 @@ impl Inner {
             keys.push(key_of(item)?);
         }
         let req = self.request_of(ctx)?;
-        let driver = self
-            .driver
-            .as_mut()
-            .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))?;
+        let driver = live(&mut self.driver)?;
         let mut all = true;
         match positions.filter(|p| !p.is_empty() && !cfg!(kvtier_mutant = "no_store_positions")) {
             Some(positions) => {
@@ -631,10 +633,10 @@ impl Manager {
         })
     }
 
-    /// vLLM's `prepare_store`: `None` when the blocks cannot be stored (no room), else
-    /// `(keys_to_store, slots, evicted_keys)`; `keys_to_store` are the caller's own objects
-    /// and `slots` are packed `int32`s; a fourth element is the value each worker seals its
-    /// copy of these slots with (see `complete_store`).
+    /// vLLM's `prepare_store`: `None` when the blocks cannot be stored (no room), else a
+    /// `PrepareStoreOutput` whose `keys_to_store` are the caller's own objects and whose
+    /// `store_spec` carries the slots and the value each worker seals its copy of them with
+    /// (see `complete_store`).
     fn prepare_store<'py>(
         &self,
         py: Python<'py>,
@@ -739,10 +741,7 @@ impl Manager {
         let mut k = std::mem::take(&mut inner.keys);
         let out = keys_into(keys, &mut k).and_then(|()| {
             let inner = &mut *inner;
-            let driver = inner
-                .driver
-                .as_mut()
-                .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))?;
+            let driver = live(&mut inner.driver)?;
             if !(inner.verify && success) || cfg!(kvtier_mutant = "skip_seal_check") {
                 driver.complete_store(req, &k, success);
                 return Ok(0);
@@ -964,10 +963,7 @@ impl Manager {
         let mut k = std::mem::take(&mut inner.keys);
         let inner = &mut *inner;
         let out = keys_into(keys, &mut k).and_then(|()| {
-            let driver = inner
-                .driver
-                .as_mut()
-                .ok_or_else(|| errors::KvtierError::new_err("the manager has shut down"))?;
+            let driver = live(&mut inner.driver)?;
             f(driver, &k)
         });
         inner.keys = k;
