@@ -372,15 +372,16 @@ pub fn run(
             // and stop at the first Miss.
             for &b in blocks {
                 match driver.lookup(a.id, &key(b)) {
-                    Lookup::Hit if !retry => {
-                        hits += 1;
+                    Lookup::Hit => {
+                        hits += usize::from(!retry);
                         // Stored by another request this very step: whether its copy has
-                        // ended yet is a matter of timing, so it is a hit on that store.
+                        // ended yet (even in the middle of these lookups) is a matter of
+                        // timing, so it is a hit on that store, now or when the request is
+                        // served after its wait.
                         if stored_now.contains(&b) {
                             a.retried.entry(b).or_default();
                         }
                     }
-                    Lookup::Hit => {}
                     Lookup::HitPending | Lookup::Retry => {
                         retry = true;
                         // Promoting: a promotion serves it. Pending: another request's store.
