@@ -173,6 +173,24 @@ fn benches(c: &mut Criterion) {
     g.warm_up_time(std::time::Duration::from_secs(1));
     g.throughput(Throughput::Elements(BATCH));
 
+    // Key construction: 32 keys made from vLLM-sized byte strings (the bindings make a key
+    // per block of every call).
+    let raw: Vec<[u8; KEY_BYTES]> = (0..BATCH)
+        .map(|i| {
+            let mut b = [0u8; KEY_BYTES];
+            b[..8].copy_from_slice(&i.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes());
+            b
+        })
+        .collect();
+    let mut made: Vec<Key> = Vec::with_capacity(BATCH as usize);
+    g.bench_function("key_new", |b| {
+        b.iter(|| {
+            made.clear();
+            made.extend(raw.iter().map(|r| Key::new(std::hint::black_box(&r[..]))));
+            std::hint::black_box(&made);
+        })
+    });
+
     // Lookup hit: 32 lookups of Ready blocks by one request, then the step ends.
     let mut m = filled(PolicyKind::Lru, true);
     let mut i = 0u64;

@@ -36,6 +36,30 @@ enum Repr {
 struct Inline([u8; Key::INLINE]);
 
 impl Inline {
+    /// The inline bytes of a key of at most [`Key::INLINE`] bytes, zero after them.
+    ///
+    /// A key of 16 bytes or more is copied as fixed 16-byte windows, the last one ending at
+    /// the key's end: fixed-size copies stay in registers, where a copy of variable length is
+    /// a call to `memcpy`.
+    #[inline]
+    fn new(bytes: &[u8]) -> Inline {
+        let n = bytes.len();
+        let mut out = [0u8; Key::INLINE];
+        let window = |at: usize| -> [u8; 16] { bytes[at..at + 16].try_into().expect("16 bytes") };
+        if n < 16 {
+            out[..n].copy_from_slice(bytes);
+        } else {
+            let (first, last) = (window(0), window(n - 16));
+            out[..16].copy_from_slice(&first);
+            if n > 32 {
+                let middle = window(16);
+                out[16..32].copy_from_slice(&middle);
+            }
+            out[n - 16..n].copy_from_slice(&last);
+        }
+        Inline(out)
+    }
+
     /// Equality as three 16-byte words (the last two overlap), compared without a call.
     #[inline]
     fn words_eq(&self, other: &Inline) -> bool {
@@ -59,11 +83,9 @@ impl Key {
     /// Makes a key from its bytes.
     pub fn new(bytes: &[u8]) -> Self {
         let repr = if bytes.len() <= Key::INLINE {
-            let mut inline = Inline([0u8; Key::INLINE]);
-            inline.0[..bytes.len()].copy_from_slice(bytes);
             Repr::Inline {
                 len: bytes.len() as u8,
-                bytes: inline,
+                bytes: Inline::new(bytes),
             }
         } else {
             Repr::Shared(Arc::from(bytes))
@@ -107,25 +129,10 @@ pub(crate) fn push_clone(keys: &mut Vec<Key>, key: &Key) {
     keys.resize_with(keys.len() + 1, || key.clone());
 }
 
-/// A fixed 64-bit hash of `bytes`: constant multipliers, no seed.
+/// A fixed 64-bit hash of `bytes`: XXH3 with its default secret, no seed.
+#[inline]
 fn hash_bytes(bytes: &[u8]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut h = 0x243F_6A88_85A3_08D3 ^ (bytes.len() as u64).wrapping_mul(K);
-    let mut chunks = bytes.chunks_exact(8);
-    for c in &mut chunks {
-        let w = u64::from_le_bytes(c.try_into().expect("8-byte chunk"));
-        h = (h ^ w).wrapping_mul(K);
-        h ^= h >> 29;
-    }
-    let rest = chunks.remainder();
-    if !rest.is_empty() {
-        let mut w = [0u8; 8];
-        w[..rest.len()].copy_from_slice(rest);
-        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(K);
-    }
-    h ^= h >> 32;
-    h = h.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    h ^ (h >> 31)
+    xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
 impl PartialEq for Key {

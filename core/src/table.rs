@@ -21,9 +21,19 @@ pub(crate) fn hash(key: &Key) -> u64 {
 }
 
 /// Maps key hashes to ids; the owner compares keys and rehashes ids.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct IdTable {
     table: hashbrown::HashTable<u32>,
+}
+
+/// The ids in order: what the table holds, not where (a lookup may grow the table, which moves
+/// ids without changing them).
+impl core::fmt::Debug for IdTable {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let mut ids: alloc::vec::Vec<u32> = self.ids().collect();
+        ids.sort_unstable();
+        f.debug_struct("IdTable").field("ids", &ids).finish()
+    }
 }
 
 impl IdTable {
