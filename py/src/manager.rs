@@ -34,14 +34,13 @@ fn packed_slots<'py>(py: Python<'py>, slots: &[kvtier_core::SlotId]) -> Bound<'p
     PyBytes::new(py, &b)
 }
 
-/// The Python classes of the answers built here, and numpy's `frombuffer` and `int32`.
+/// The Python classes of the answers built here, and `object.__new__`.
 struct Classes {
     output: Py<PyType>,
     spec: Py<PyType>,
     request: Py<PyType>,
     chunk_level: Py<PyAny>,
-    frombuffer: Py<PyAny>,
-    int32: Py<PyAny>,
+    new: Py<PyAny>,
 }
 
 impl Classes {
@@ -52,50 +51,48 @@ impl Classes {
         request: Bound<'_, PyType>,
         chunk_level: Bound<'_, PyAny>,
     ) -> PyResult<Self> {
-        let numpy = py.import("numpy")?;
         Ok(Classes {
             output: output.unbind(),
             spec: spec.unbind(),
             request: request.unbind(),
             chunk_level: chunk_level.unbind(),
-            frombuffer: numpy.getattr("frombuffer")?.unbind(),
-            int32: numpy.getattr("dtype")?.call1(("int32",))?.unbind(),
+            new: py
+                .get_type::<pyo3::types::PyAny>()
+                .getattr(intern!(py, "__new__"))?
+                .unbind(),
         })
     }
 
     /// A new instance of `cls` with `attrs` set, as its dataclass `__init__` would set them
     /// (`object.__new__`, then the attributes: no Python frame runs).
     fn make<'py>(
+        &self,
         py: Python<'py>,
         cls: &Py<PyType>,
         attrs: &[(&Bound<'py, PyString>, Bound<'py, PyAny>)],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let cls = cls.bind(py);
-        let obj = cls.call_method1(intern!(py, "__new__"), (cls,))?;
+        let obj = self.new.bind(py).call1((cls.bind(py),))?;
         for (name, value) in attrs {
             obj.setattr(*name, value)?;
         }
         Ok(obj)
     }
 
-    /// The spec of `slots`: `block_ids` a numpy `int32` array, and a store's seal value.
+    /// The spec of `slots` (packed, see `kvtier.vllm.KvtierLoadStoreSpec`) and a store's
+    /// seal value.
     fn spec<'py>(
         &self,
         py: Python<'py>,
         slots: &[kvtier_core::SlotId],
         generation: Option<u64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let packed = packed_slots(py, slots);
-        let ids = self
-            .frombuffer
-            .bind(py)
-            .call1((packed, self.int32.bind(py)))?;
+        let packed = packed_slots(py, slots).into_any();
         let generation = generation.into_pyobject(py)?.into_any();
-        Self::make(
+        self.make(
             py,
             &self.spec,
             &[
-                (intern!(py, "block_ids"), ids),
+                (intern!(py, "_packed"), packed),
                 (intern!(py, "generation"), generation),
             ],
         )
@@ -104,7 +101,7 @@ impl Classes {
     /// vLLM's `RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)`.
     fn request<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let policy = self.chunk_level.bind(py).clone();
-        Self::make(py, &self.request, &[(intern!(py, "policy"), policy)])
+        self.make(py, &self.request, &[(intern!(py, "policy"), policy)])
     }
 
     /// vLLM's `PrepareStoreOutput(keys_to_store, store_spec, evicted_keys)`.
@@ -115,7 +112,7 @@ impl Classes {
         spec: Bound<'py, PyAny>,
         evicted: Bound<'py, PyList>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Self::make(
+        self.make(
             py,
             &self.output,
             &[

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 import kvtier
@@ -91,8 +93,13 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
             out = manager.prepare_store([key], ctx)
             assert isinstance(out, vllm.base.PrepareStoreOutput)
             assert isinstance(out.store_spec, vllm.base.LoadStoreSpec)
+        # The spec reaches the workers pickled (vLLM's multiprocess executors): the copy
+        # names the same slots and seal.
+        sent = pickle.loads(pickle.dumps(out.store_spec))
+        assert sent.block_ids.tolist() == out.store_spec.block_ids.tolist() == [0]
+        assert sent.generation == out.store_spec.generation is not None
         gpu = vllm.base.GPULoadStoreSpec([2], [1], [0])
-        assert worker.submit_store(1, gpu, out.store_spec)
+        assert worker.submit_store(1, gpu, sent)
         worker.wait({1})
         assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
         with manager.lock:

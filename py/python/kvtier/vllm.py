@@ -79,7 +79,26 @@ STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
 
 
 class KvtierLoadStoreSpec(_base.BlockIDsLoadStoreSpec):
-    """Primary slots (chunks of the shared region), one per offloaded block."""
+    """Primary slots (chunks of the shared region), one per offloaded block.
+
+    The manager answers the slots packed as native ``int32`` bytes: the scheduler only hands
+    a spec on to the workers, so the array ``block_ids`` is made where it is read, on first
+    use, and a spec crosses to the workers as one ``bytes`` object.
+    """
+
+    #: The slots as packed native-endian ``int32`` values (as the manager answers them).
+    _packed: bytes = b""
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        ids = self.__dict__.get("_block_ids")
+        if ids is None:
+            ids = self.__dict__["_block_ids"] = np.frombuffer(self._packed, dtype=np.int32)
+        return ids
+
+    @block_ids.setter
+    def block_ids(self, ids: Any) -> None:
+        self.__dict__["_block_ids"] = np.asarray(ids, dtype=np.int32)
 
     @property
     def chunk_ids(self) -> np.ndarray:
@@ -510,7 +529,7 @@ class KvtierOffloadingWorker(_base.OffloadingWorker):
 
     def _submit(self, job_id: int, store: bool, gpu_spec: Any, slots_spec: Any) -> bool:
         ids, sizes, indices = self._gpu(gpu_spec)
-        slots = [int(s) for s in slots_spec.block_ids]
+        slots = np.asarray(slots_spec.block_ids).tolist()
         stream = self._stream() if self._stream is not None else None
         seal = getattr(slots_spec, "generation", None) if store else None
         if store:
