@@ -76,6 +76,7 @@ ready_failed_load|stateright:no transition breaks a rule|does not hold its data
 refusal_touches|stateright:no transition breaks a rule|refused complete_load changed
 no_hit_protection|stateright:no transition breaks a rule|evicted its request's hit
 stall_batches|stateright:every state settles|every state settles broken
+shared_delete|stateright:no transition breaks a rule|T14
 evict_pinned|differential|after op
 no_cooldown|differential|after op
 no_step_gate|differential|after op

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every test of kvtier, on a fresh machine: installs what the tests need beyond cargo, cached
-# outside the clone once per machine (the vLLM 0.33.0 oracle; a Python venv with maturin,
-# pytest and numpy), then runs
+# Every test of kvtier, on a fresh machine: installs what the tests need beyond cargo, once per
+# machine (redis-server for the shared tier's tests; cached outside the clone: the vLLM 0.33.0
+# oracle and a Python venv with maturin, pytest and numpy), then runs
 #   1. the workspace's tests;
 #   2. the exhaustive stateright check in a release build (its closure of 7.3 million states
 #      takes about 11 minutes there; the test profile would take several times that, so it
@@ -11,6 +11,7 @@
 # Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/redis-setup.sh
 bash scripts/vllm-oracle-setup.sh >/dev/null
 venv=$(bash scripts/py-setup.sh)
 cargo test --workspace "$@"

@@ -451,10 +451,11 @@ impl Manager {
         tier.stats.skipped_held += plan.held as u64;
         tier.stats.skipped_full += plan.full as u64;
         tier.stats.evictions += plan.evicted.len() as u64;
-        if !plan.evicted.is_empty() {
+        let deletes = tier.index.to_delete(plan.evicted); // T14
+        if !deletes.is_empty() {
             self.effects.push_back(Effect::Delete {
                 tier: id,
-                keys: plan.evicted,
+                keys: deletes,
             });
         }
         if plan.writes.is_empty() {
@@ -851,11 +852,12 @@ impl Manager {
                 let evicted = tier
                     .index
                     .finish_probe(key, found, self.step, &mut self.events);
-                if !evicted.is_empty() {
-                    tier.stats.evictions += evicted.len() as u64;
+                tier.stats.evictions += evicted.len() as u64;
+                let deletes = tier.index.to_delete(evicted); // T14
+                if !deletes.is_empty() {
                     self.effects.push_back(Effect::Delete {
                         tier: tid,
-                        keys: evicted,
+                        keys: deletes,
                     });
                 }
             }

@@ -271,6 +271,17 @@ impl TierIndex {
         keys
     }
 
+    /// T14: the blocks of `evicted` the store must delete: all of them on an authoritative
+    /// tier; none on a shared tier, where other nodes may be reading them (evicting there
+    /// forgets them on this node, and the store's own memory policy bounds its space).
+    pub(crate) fn to_delete(&self, evicted: Vec<Key>) -> Vec<Key> {
+        if self.kind == TierKind::Authoritative || cfg!(kvtier_mutant = "shared_delete") {
+            evicted
+        } else {
+            Vec::new()
+        }
+    }
+
     fn room(&self) -> usize {
         self.capacity as usize - self.index.len()
     }

@@ -1,5 +1,5 @@
 //! The tiering manager: promotion, cascade, jobs, health, back-pressure (rules M1–M11,
-//! J1–J5, H1–H6, T1–T13 and the "beyond vLLM" rules ★2–★8).
+//! J1–J5, H1–H6, T1–T14 and the "beyond vLLM" rules ★2–★8).
 
 mod common;
 
@@ -469,6 +469,41 @@ fn shared_tier_probes_and_caches() {
     assert_eq!(m.lookup(R1, &key(2)), Lookup::Retry);
     assert_eq!(jobs(&drain(&mut m)).len(), 1);
     assert_eq!(m.stats().tiers[0].1.probes, 3);
+}
+
+/// T14: evicting from a shared tier forgets the block on this node and never deletes it
+/// (other nodes may be reading it), whether the room is made for a cascade (T7) or for a
+/// block a probe found (T5); the authoritative tier beside it deletes what it evicts.
+#[test]
+fn t14_a_shared_tier_forgets_what_it_evicts() {
+    let mut c = Config::new(8);
+    c.tiers = vec![
+        TierConfig::new(TierKind::Authoritative, 2),
+        TierConfig::new(TierKind::Shared, 2),
+    ];
+    let mut m = manager_with(c);
+    store_and_settle(&mut m, R1, &keys([1, 2]));
+    // Both tiers are full: 3's cascade evicts 1 from each, but deletes it from tier 0 only.
+    store(&mut m, R1, &keys([3]));
+    let effects = drain(&mut m);
+    assert_eq!(deletes(&effects), vec![(T0, keys([1]))]);
+    report(&mut m, &jobs(&effects), Outcome::Ok);
+    assert_eq!(m.stats().tiers[1].1.evictions, 1);
+    m.end_step();
+    m.end_step();
+    // A probe that finds a block makes room by forgetting too.
+    assert_eq!(m.lookup(R2, &key(9)), Lookup::Retry);
+    let probes = jobs(&drain(&mut m));
+    assert!(matches!(&probes[..], [j] if j.tier == T1));
+    report(&mut m, &probes, Outcome::Ok);
+    m.end_step(); // the lookup collected this step: the result waits for the next (M1)
+    m.end_step();
+    assert!(deletes(&drain(&mut m)).is_empty());
+    assert_eq!(m.stats().tiers[1].1.evictions, 2);
+    assert_eq!(
+        m.tier(T1).unwrap().state_of(&key(9)),
+        Some(EntryState::Present { readers: 0 })
+    );
 }
 
 /// T9: a shared tier trusts a "not found" for exactly `absent_ttl_steps` steps after it is

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_core::{
-    Config, Effect, Event, JobResult, Key, Lookup, Manager, Metrics, Outcome, PreparedStore,
-    RequestId, SlotId, TierId,
+    Config, Effect, Event, Job, JobKind, JobResult, Key, Lookup, Manager, Metrics, Outcome,
+    PreparedStore, RequestId, SlotId, TierId,
 };
 
 use crate::HwError;
@@ -82,7 +82,11 @@ pub struct Driver {
     /// The transfer a `wait` is waiting for: its result is never dropped.
     awaited: Option<TransferId>,
     next_transfer: u64,
+    /// Tier jobs submitted and not yet ended, including the probes held in `probes`.
     jobs_in_flight: usize,
+    /// Per tier, the existence probes of this step: they go to the tier together at the
+    /// step's end (one round trip to a remote store), or as soon as anything waits for IO.
+    probes: Vec<Vec<Job>>,
     /// Completions applied so far (transfers and tier jobs).
     applied: u64,
     options: DriverOptions,
@@ -174,6 +178,7 @@ impl Driver {
                 .map_err(|e| HwError::Setup(format!("cannot start tier {i}'s IO threads: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let probes = (0..tiers.len()).map(|_| Vec::new()).collect();
         Ok(Driver {
             manager,
             region,
@@ -186,6 +191,7 @@ impl Driver {
             awaited: None,
             next_transfer: 0,
             jobs_in_flight: 0,
+            probes,
             applied: 0,
             options,
             metrics: IoMetrics::default(),
@@ -460,6 +466,8 @@ impl Driver {
     /// Waits up to `timeout` for at least one completion and applies it (and every other
     /// one queued). Returns at once when nothing is in flight.
     pub fn wait_any(&mut self, timeout: Duration) {
+        // Held probes would never end while waited for: they go now.
+        self.flush_probes();
         if self.in_flight() == 0 {
             return;
         }
@@ -569,6 +577,10 @@ impl Driver {
     fn pump(&mut self) {
         while let Some(effect) = self.manager.poll_effect() {
             match effect {
+                Effect::Submit(job) if matches!(job.kind, JobKind::Exists { .. }) => {
+                    self.probes[job.tier.index()].push(job);
+                    self.jobs_in_flight += 1;
+                }
                 Effect::Submit(job) => {
                     let tier = job.tier;
                     match self.tiers[tier.index()].submit(job) {
@@ -593,11 +605,33 @@ impl Driver {
         }
     }
 
-    /// Ends the step (M5): applies completions, submits the step's promotions and due probes.
+    /// Sends each tier the existence probes held this step, as one piece of work. Probes a
+    /// stopped tier hands back end as failed.
+    fn flush_probes(&mut self) {
+        for t in 0..self.probes.len() {
+            if self.probes[t].is_empty() {
+                continue;
+            }
+            let probes = std::mem::take(&mut self.probes[t]);
+            if let Err(refused) = self.tiers[t].submit_probes(probes) {
+                self.jobs_in_flight -= refused.len();
+                for job in refused {
+                    let _ = self.manager.handle_job_result(JobResult {
+                        job: job.id,
+                        outcome: Outcome::Failed,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Ends the step (M5): applies completions, submits the step's promotions and due probes,
+    /// and the existence probes its lookups started.
     pub fn end_step(&mut self) {
         self.poll();
         self.manager.end_step();
         self.pump();
+        self.flush_probes();
     }
 
     /// Waits for all IO in flight and applies it, ending steps so that promotions are

@@ -41,10 +41,18 @@ pub struct TierDone {
     pub error: Option<String>,
 }
 
+/// What an IO thread takes from a tier's queue.
+enum Work {
+    /// One job, submitted at the instant.
+    Job(Job, Instant),
+    /// The existence probes of one step, asked together (one round trip to a remote store).
+    Probes(Vec<Job>, Instant),
+}
+
 /// One tier's job queue and IO threads.
 pub(crate) struct TierIo {
     pub(crate) store: Arc<dyn SecondaryStore>,
-    jobs: Arc<Queue<(Job, Instant)>>,
+    jobs: Arc<Queue<Work>>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -56,7 +64,7 @@ impl TierIo {
         done: Completions,
         threads: usize,
     ) -> std::io::Result<Self> {
-        let jobs: Arc<Queue<(Job, Instant)>> = Arc::new(Queue::new());
+        let jobs: Arc<Queue<Work>> = Arc::new(Queue::new());
         let threads = (0..threads.max(1))
             .map(|i| {
                 let (jobs, store, region, done) =
@@ -64,14 +72,29 @@ impl TierIo {
                 std::thread::Builder::new()
                     .name(format!("kvtier-tier{}-{i}", tier.0))
                     .spawn(move || {
-                        while let Some(first) = jobs.pop() {
-                            let mut group = vec![first];
-                            // Cascades queued behind a cascade go with it, as one batch;
-                            // never past a promotion or probe waiting to go first (Q4).
-                            if matches!(group[0].0.kind, JobKind::Store { .. }) {
-                                jobs.take_ordinary(MAX_GROUP - 1, &mut group);
-                            }
-                            for d in run_guarded(tier, &*store, &region, group) {
+                        let mut more = Vec::new();
+                        while let Some(work) = jobs.pop() {
+                            let ended = match work {
+                                Work::Job(job, at) => {
+                                    let store_job = matches!(job.kind, JobKind::Store { .. });
+                                    let mut group = vec![(job, at)];
+                                    // Cascades queued behind a cascade go with it, as one
+                                    // batch; never past a promotion or probe waiting to go
+                                    // first (Q4). Queued cascades are ordinary items.
+                                    if store_job {
+                                        jobs.take_ordinary(MAX_GROUP - 1, &mut more);
+                                        group.extend(more.drain(..).filter_map(|w| match w {
+                                            Work::Job(j, at) => Some((j, at)),
+                                            Work::Probes(..) => None,
+                                        }));
+                                    }
+                                    run_guarded(tier, &*store, &region, group)
+                                }
+                                Work::Probes(probes, at) => {
+                                    probe_guarded(tier, &*store, probes, at)
+                                }
+                            };
+                            for d in ended {
                                 let _ = done.push(Completion::Tier(d));
                             }
                         }
@@ -96,13 +119,32 @@ impl TierIo {
     /// a request or the tier's health waits for, go ahead of cascades (Q4).
     pub(crate) fn submit(&self, job: Job) -> Result<(), Job> {
         let urgent = !matches!(job.kind, JobKind::Store { .. });
-        let item = (job, Instant::now());
+        let item = Work::Job(job, Instant::now());
         let pushed = if urgent {
             self.jobs.push_urgent(item)
         } else {
             self.jobs.push(item)
         };
-        pushed.map_err(|(j, _)| j)
+        pushed.map_err(|w| match w {
+            Work::Job(j, _) => j,
+            Work::Probes(..) => unreachable!("a job was pushed"),
+        })
+    }
+
+    /// Queues a step's existence probes (each an `Exists` job) as one piece of work, ahead of
+    /// cascades (Q4); hands them back if the threads have stopped.
+    pub(crate) fn submit_probes(&self, probes: Vec<Job>) -> Result<(), Vec<Job>> {
+        debug_assert!(
+            probes
+                .iter()
+                .all(|j| matches!(j.kind, JobKind::Exists { .. }))
+        );
+        self.jobs
+            .push_urgent(Work::Probes(probes, Instant::now()))
+            .map_err(|w| match w {
+                Work::Probes(p, _) => p,
+                Work::Job(..) => unreachable!("probes were pushed"),
+            })
     }
 
     /// Stops taking jobs and drops those still queued, unrun: their slots are no longer the
@@ -122,6 +164,60 @@ impl TierIo {
 /// Cascade jobs an IO thread takes together at most: their blocks are written as one batch
 /// (adjacent records in one IO, one sync under the file tier's `Batch` policy).
 const MAX_GROUP: usize = 16;
+
+/// Asks the store about a step's probes in one call, ending each probe as `run_job` ends one
+/// (found, not found, or failed), and each as failed if the store panics.
+fn probe_guarded(
+    tier: TierId,
+    store: &dyn SecondaryStore,
+    probes: Vec<Job>,
+    started: Instant,
+) -> Vec<TierDone> {
+    let begun = Instant::now();
+    let keys: Vec<&Key> = probes
+        .iter()
+        .filter_map(|j| match &j.kind {
+            JobKind::Exists { key } => Some(key),
+            _ => None,
+        })
+        .collect();
+    let answers = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        store.contains_many(&keys)
+    }))
+    .unwrap_or_else(|panic| {
+        let message = panic_message(&*panic);
+        tracing::error!(%tier, probes = keys.len(), panic = %message, "tier IO panicked; its probes failed");
+        keys.iter()
+            .map(|_| Err(StoreError::Unavailable(format!("panicked: {message}"))))
+            .collect()
+    });
+    let mut answers = answers.into_iter();
+    probes
+        .iter()
+        .map(|job| {
+            let answer = answers.next().unwrap_or_else(|| {
+                Err(StoreError::Unavailable(
+                    "the store gave too few answers".into(),
+                ))
+            });
+            probe_ended(answer).finish(tier, job.id, JobPath::Probe, started, begun)
+        })
+        .collect()
+}
+
+/// How an existence probe ended, from the store's answer.
+fn probe_ended(answer: Result<bool, StoreError>) -> Ended {
+    let (outcome, error) = match answer {
+        Ok(true) => (Outcome::Ok, None),
+        Ok(false) => (Outcome::NotFound, None),
+        Err(e) => (Outcome::Failed, Some(e)),
+    };
+    Ended {
+        outcome,
+        bytes: 0,
+        error,
+    }
+}
 
 /// Runs a group of jobs (one job, or cascades taken together), ending each as failed if the
 /// store panics: every job reports exactly once, and the thread lives on to serve the next.
@@ -328,14 +424,7 @@ fn run_job(
             };
             (outcome, bytes)
         }
-        JobKind::Exists { key } => match store.contains(key) {
-            Ok(true) => (Outcome::Ok, 0),
-            Ok(false) => (Outcome::NotFound, 0),
-            Err(e) => {
-                error = Some(e);
-                (Outcome::Failed, 0)
-            }
-        },
+        JobKind::Exists { key } => return probe_ended(store.contains(key)),
         JobKind::Health => match store.check() {
             Ok(()) => (Outcome::Ok, 0),
             Err(e) => {

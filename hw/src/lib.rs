@@ -4,7 +4,8 @@
 //! - [`TransferEngine`]: GPU ↔ CPU copies; [`HostEngine`] here, `CudaEngine` with the `cuda`
 //!   feature.
 //! - [`SecondaryStore`]: a tier's block storage; [`FileStore`] is the persistent file tier,
-//!   [`FaultyStore`] injects faults into any store; [`crash`] checks the file tier's crash
+//!   [`RedisStore`] is the shared tier on Redis or Redis Cluster, [`FaultyStore`] injects
+//!   faults into any store; [`crash`] checks the file tier's crash
 //!   consistency against a simulated disk that crashes and tears writes.
 //! - [`Driver`]: owns the core on one thread, drains its effects into the engine and the
 //!   tiers, and feeds completions back.
@@ -20,6 +21,7 @@ mod file;
 mod io;
 mod metrics;
 mod queue;
+mod redis_store;
 #[allow(unsafe_code)]
 mod region;
 mod store;
@@ -44,6 +46,7 @@ pub use file::{
 pub use io::{JobPath, TierDone};
 pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};
 pub use queue::{Countdown, Queue};
+pub use redis_store::{RedisOptions, RedisStore};
 pub use region::{HostMemory, Layout, PAGE, Region, RegionError, free_bytes, page_align};
 pub use store::{SecondaryStore, StoreError};
 

@@ -148,6 +148,13 @@ pub trait SecondaryStore: Send + Sync + 'static {
     /// Whether the store holds `key` (a shared tier's existence probe). Called on an IO thread.
     fn contains(&self, key: &Key) -> Result<bool, StoreError>;
 
+    /// The existence probes of one step, together; one answer per key, in order, each as
+    /// `contains` would give it. A remote store overrides it to ask in one round trip; by
+    /// default, one `contains` each.
+    fn contains_many(&self, keys: &[&Key]) -> Vec<Result<bool, StoreError>> {
+        keys.iter().map(|k| self.contains(k)).collect()
+    }
+
     /// A health probe: `Ok` when the store can serve again. Called on an IO thread.
     fn check(&self) -> Result<(), StoreError>;
 

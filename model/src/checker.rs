@@ -300,9 +300,15 @@ impl TieringModel {
             }
             Action::Shutdown => m.shutdown(),
         }
-        // Drain the IO layer's side: deletions need nothing, jobs are now owed.
+        // Drain the IO layer's side: jobs are now owed; a deletion must name a tier only this
+        // node writes (T14: a shared tier forgets what it evicts, others may be reading it).
         while let Some(e) = m.poll_effect() {
-            let _: Effect = e;
+            if let Effect::Delete { tier, keys } = &e
+                && m.config().tiers[tier.index()].kind == TierKind::Shared
+                && n.violation.is_none()
+            {
+                n.violation = Some(format!("T14: {keys:?} deleted from shared {tier}"));
+            }
         }
         // The metrics window is no part of the state: keep it from growing along a path.
         let _ = m.take_metrics();

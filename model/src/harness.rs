@@ -6,7 +6,7 @@ use std::fmt;
 
 use kvtier_core::{
     BlockState, Config, Effect, Error, Event, Job, JobId, JobKind, JobResult, Key, Manager,
-    Outcome, PreparedStore, SlotId, TierId,
+    Outcome, PreparedStore, SlotId, TierId, TierKind,
 };
 
 use crate::op::{Finish, Invalid, Op, key, keys, request};
@@ -349,6 +349,13 @@ impl Harness {
     /// those both sides submitted.
     fn compare_outputs(&mut self) -> Result<(), String> {
         let core_effects: Vec<Effect> = std::iter::from_fn(|| self.core.poll_effect()).collect();
+        for e in &core_effects {
+            if let Effect::Delete { tier, keys } = e
+                && self.core.config().tiers[tier.index()].kind == TierKind::Shared
+            {
+                return Err(format!("T14: {keys:?} deleted from shared {tier}"));
+            }
+        }
         let effects = compare("effects", core_effects, self.model.take_effects())?;
         let events: Vec<Event> =
             compare("events", self.core.take_events(), self.model.take_events())?;

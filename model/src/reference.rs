@@ -986,6 +986,7 @@ impl RefModel {
                 .iter()
                 .filter(|b| !tier.entries.contains_key(&b.key))
                 .collect();
+            let tier_kind = tier.kind;
             let room = tier.cap - tier.entries.len();
             let evicted = tier.evict(to_write.len().saturating_sub(room), &held);
             let room = tier.cap - tier.entries.len();
@@ -994,7 +995,8 @@ impl RefModel {
                 tier.insert(&w.key, Entry::Writing);
             }
             self.emit(Medium::Tier(id), EventKind::Removed, evicted.clone());
-            if !evicted.is_empty() {
+            // T14: only a tier this node alone writes deletes what it evicts.
+            if !evicted.is_empty() && tier_kind == TierKind::Authoritative {
                 self.effects.push(Effect::Delete {
                     tier: id,
                     keys: evicted,
@@ -1328,13 +1330,9 @@ impl RefModel {
                                 tier.insert(key, Entry::Present(0));
                             }
                             let tid = job.tier;
-                            self.emit(Medium::Tier(tid), EventKind::Removed, evicted.clone());
-                            if !evicted.is_empty() {
-                                self.effects.push(Effect::Delete {
-                                    tier: tid,
-                                    keys: evicted,
-                                });
-                            }
+                            // Probes ask shared tiers only, and a shared tier forgets what
+                            // it evicts: no deletion (T14).
+                            self.emit(Medium::Tier(tid), EventKind::Removed, evicted);
                         }
                         Outcome::NotFound => {
                             let until = self.step + tier.absent_ttl;

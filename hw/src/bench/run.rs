@@ -14,8 +14,8 @@ use super::settings::BenchSettings;
 use super::temp::{TempTier, sweep_temporary_tiers};
 use super::workload::Request;
 use crate::{
-    Driver, DriverOptions, FileOptions, FileStore, HostEngine, HostMemory, Layout, PathSummary,
-    Region, SecondaryStore, TransferId, page_align,
+    Driver, DriverOptions, FileOptions, FileStore, HostEngine, HostMemory, Layout, OpenReport,
+    PathSummary, RedisOptions, RedisStore, Region, SecondaryStore, TransferId, page_align,
 };
 
 /// Receives progress (requests finished) while the bench runs, and may stop it.
@@ -64,7 +64,9 @@ pub struct TierReport {
     pub dropped_at_open: u64,
     /// Its eviction policy.
     pub policy: String,
-    /// When its writes are made durable.
+    /// "file" or "redis".
+    pub kind: String,
+    /// When its writes are made durable (a file tier's setting).
     pub fsync: String,
     /// Whether its IO bypasses the page cache (`O_DIRECT`).
     pub direct_io: bool,
@@ -286,7 +288,23 @@ pub fn run(
     let mut config = Config::new(rows);
     config.policy = settings.policy;
     config.events = false;
+    // The identity names the block size itself, not the page-aligned row: a tier of
+    // 5000-byte blocks is not one of 6000-byte blocks, though both fill 8 KiB rows.
+    let identity = format!("kvtier bench, {bb}-byte blocks");
     for t in &settings.tiers {
+        if let Some(o) = &t.redis {
+            let options = RedisOptions {
+                identity: identity.clone(),
+                ..o.clone()
+            };
+            let store = RedisStore::open(&options, row, t.capacity_bytes)?;
+            opened.push(OpenReport::default());
+            let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
+            tc.policy = t.policy;
+            config.tiers.push(tc);
+            stores.push(Arc::new(store));
+            continue;
+        }
         let dir = match &t.path {
             Some(p) => p.clone(),
             None => {
@@ -296,10 +314,8 @@ pub fn run(
                 p
             }
         };
-        // The identity names the block size itself, not the page-aligned row: a tier of
-        // 5000-byte blocks is not one of 6000-byte blocks, though both fill 8 KiB rows.
         let options = FileOptions {
-            identity: format!("kvtier bench, {bb}-byte blocks"),
+            identity: identity.clone(),
             fsync: t.fsync,
             ..FileOptions::default()
         };
@@ -484,6 +500,12 @@ pub fn run(
             recovered: opened[i].recovered as u64,
             dropped_at_open: opened[i].corrupt as u64,
             policy: policy_name(settings.tiers[i].policy).into(),
+            kind: if settings.tiers[i].redis.is_some() {
+                "redis"
+            } else {
+                "file"
+            }
+            .into(),
             fsync: settings.tiers[i].fsync.to_string(),
             direct_io: opened[i].direct_io,
         })
@@ -570,6 +592,25 @@ impl std::fmt::Display for Report {
             self.primary_blocks, self.primary_policy, self.primary_evictions, self.stores_refused
         )?;
         for (i, t) in self.tiers.iter().enumerate() {
+            if t.kind == "redis" {
+                writeln!(
+                    f,
+                    "tier {i}          redis (shared), {} / {} blocks tracked here, {}, {} cascaded, {} forgotten, {} failures, {}",
+                    t.blocks,
+                    t.capacity_blocks,
+                    t.policy,
+                    t.cascaded,
+                    t.evictions,
+                    t.failures,
+                    t.health,
+                )?;
+                writeln!(
+                    f,
+                    "                skipped cascades: {} back-pressure, {} tier down, {} tier full",
+                    t.skipped_backpressure, t.skipped_down, t.skipped_full,
+                )?;
+                continue;
+            }
             writeln!(
                 f,
                 "tier {i}          {} / {} blocks, {}, fsync {}, {} cascaded, {} evictions, {} failures, {}, {}",

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use kvtier_core::PolicyKind;
 
-use crate::FsyncPolicy;
+use crate::{FsyncPolicy, RedisOptions};
 use serde::Deserialize;
 
 use super::BenchError;
@@ -12,24 +12,39 @@ use super::BenchError;
 /// One secondary tier of the bench.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TierSettings {
-    /// The tier's directory; `None`: a temporary directory removed afterwards.
+    /// The tier's directory; `None`: a temporary directory removed afterwards. File tiers
+    /// only.
     pub path: Option<PathBuf>,
-    /// Its capacity in bytes, record headers included (see docs/configuration.md).
+    /// Its capacity in bytes: a file tier's, record headers included (see
+    /// docs/configuration.md); for a Redis tier, how much of the store this node tracks.
     pub capacity_bytes: u64,
     /// Its eviction policy (LRU unless the tier names one).
     pub policy: PolicyKind,
     /// When its writes are made durable (the file tier's default unless the tier names one).
+    /// File tiers only.
     pub fsync: FsyncPolicy,
+    /// `Some` for a shared tier on Redis: where it is and how to reach it (its `identity`
+    /// is set by the run, from the block size).
+    pub redis: Option<RedisOptions>,
 }
 
 impl TierSettings {
-    /// A tier at `path` (a temporary directory when `None`) of `capacity_bytes`, LRU.
+    /// A file tier at `path` (a temporary directory when `None`) of `capacity_bytes`, LRU.
     pub fn new(path: Option<PathBuf>, capacity_bytes: u64) -> Self {
         TierSettings {
             path,
             capacity_bytes,
             policy: PolicyKind::Lru,
             fsync: FsyncPolicy::default(),
+            redis: None,
+        }
+    }
+
+    /// A shared tier on Redis, tracking up to `capacity_bytes` of blocks on this node, LRU.
+    pub fn redis(options: RedisOptions, capacity_bytes: u64) -> Self {
+        TierSettings {
+            redis: Some(options),
+            ..TierSettings::new(None, capacity_bytes)
         }
     }
 
@@ -117,17 +132,125 @@ pub struct FileSettings {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileTier {
-    /// Only "file" for now.
+    /// "file" (a local, persistent tier) or "redis" (a tier shared by many nodes).
     #[serde(rename = "type")]
     pub kind: String,
-    /// Its directory (a temporary one when absent).
-    pub path: Option<PathBuf>,
-    /// Its capacity in bytes.
+    /// Its capacity in bytes (for a Redis tier: how much of the store this node tracks).
     pub capacity_bytes: u64,
     /// Its eviction policy: "lru" (the default) or "arc" (any case).
     pub eviction_policy: Option<String>,
-    /// When its writes are made durable: "none", "batch" or "write".
+    /// File tier: its directory (a temporary one when absent).
+    pub path: Option<PathBuf>,
+    /// File tier: when its writes are made durable: "none", "batch" or "write".
     pub fsync: Option<String>,
+    /// Redis tier: the server's URL, or any nodes' URLs of a cluster.
+    pub urls: Option<Vec<String>>,
+    /// Redis tier: whether the servers form a Redis Cluster (default false).
+    pub cluster: Option<bool>,
+    /// Redis tier: the first part of every name (default "kvtier").
+    pub namespace: Option<String>,
+    /// Redis tier: the bound on every connect, read and write, in milliseconds (default 1000).
+    pub timeout_ms: Option<u64>,
+    /// Redis tier: expiry of the values this node writes, in seconds (default none).
+    pub ttl_s: Option<u64>,
+    /// Redis tier: the environment variable holding the ACL user name.
+    pub username_env: Option<String>,
+    /// Redis tier: the environment variable holding the password.
+    pub password_env: Option<String>,
+}
+
+impl FileTier {
+    /// The tier's settings; `lookup` reads the environment (credentials come from the
+    /// variables the file names, never from the file).
+    fn settings(
+        &self,
+        field: &dyn Fn(&str) -> String,
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<TierSettings, String> {
+        let redis_keys = [
+            ("urls", self.urls.is_some()),
+            ("cluster", self.cluster.is_some()),
+            ("namespace", self.namespace.is_some()),
+            ("timeout_ms", self.timeout_ms.is_some()),
+            ("ttl_s", self.ttl_s.is_some()),
+            ("username_env", self.username_env.is_some()),
+            ("password_env", self.password_env.is_some()),
+        ];
+        let file_keys = [
+            ("path", self.path.is_some()),
+            ("fsync", self.fsync.is_some()),
+        ];
+        let refuse = |keys: &[(&str, bool)], kind: &str| {
+            keys.iter().find(|(_, set)| *set).map_or(Ok(()), |(k, _)| {
+                Err(format!("{}: not a setting of a {kind} tier", field(k)))
+            })
+        };
+        let mut tier = match self.kind.as_str() {
+            "file" => {
+                refuse(&redis_keys, "file")?;
+                let mut tier = TierSettings::new(self.path.clone(), self.capacity_bytes);
+                if let Some(f) = &self.fsync {
+                    tier.fsync = f
+                        .to_ascii_lowercase()
+                        .parse()
+                        .map_err(|e| format!("{}: {e}", field("fsync")))?;
+                }
+                tier
+            }
+            "redis" => {
+                refuse(&file_keys, "redis")?;
+                let mut o = RedisOptions::default();
+                match &self.urls {
+                    Some(urls) if !urls.is_empty() => o.urls = urls.clone(),
+                    _ => {
+                        return Err(format!(
+                            "{}: a Redis tier needs its server's URL",
+                            field("urls")
+                        ));
+                    }
+                }
+                o.cluster = self.cluster.unwrap_or(false);
+                if let Some(n) = &self.namespace {
+                    if n.is_empty() {
+                        return Err(format!("{}: must not be empty", field("namespace")));
+                    }
+                    o.namespace = n.clone();
+                }
+                if let Some(ms) = self.timeout_ms {
+                    if ms == 0 {
+                        return Err(format!("{}: must be at least 1", field("timeout_ms")));
+                    }
+                    o.timeout = std::time::Duration::from_millis(ms);
+                }
+                if let Some(s) = self.ttl_s {
+                    if s == 0 {
+                        return Err(format!(
+                            "{}: must be at least 1 (or absent)",
+                            field("ttl_s")
+                        ));
+                    }
+                    o.ttl = Some(std::time::Duration::from_secs(s));
+                }
+                o.credentials_from(
+                    self.username_env.as_deref(),
+                    self.password_env.as_deref(),
+                    lookup,
+                )
+                .map_err(|e| format!("{}: {e}", field("password_env")))?;
+                TierSettings::redis(o, self.capacity_bytes)
+            }
+            other => {
+                return Err(format!(
+                    "{}: expected \"file\" or \"redis\", got {other:?}",
+                    field("type")
+                ));
+            }
+        };
+        if let Some(p) = &self.eviction_policy {
+            tier.policy = policy_named(&field("eviction_policy"), p)?;
+        }
+        Ok(tier)
+    }
 }
 
 /// Parses a policy name.
@@ -137,6 +260,11 @@ pub fn parse_policy(s: &str) -> Option<PolicyKind> {
         "arc" => Some(PolicyKind::Arc),
         _ => None,
     }
+}
+
+/// The policy `p` names, or an error naming `field`.
+fn policy_named(field: &str, p: &str) -> Result<PolicyKind, String> {
+    parse_policy(p).ok_or_else(|| format!("{field}: expected \"lru\" or \"arc\", got {p:?}"))
 }
 
 impl FileSettings {
@@ -183,12 +311,8 @@ impl FileSettings {
             (None, Some(_)) => return Err(bad("bytes_per_token needs block_size".into())),
             (None, None) => {}
         }
-        let policy = |field: String, p: &str| {
-            parse_policy(p)
-                .ok_or_else(|| bad(format!("{field}: expected \"lru\" or \"arc\", got {p:?}")))
-        };
         if let Some(p) = &self.eviction_policy {
-            s.policy = policy("eviction_policy".into(), p)?;
+            s.policy = policy_named("eviction_policy", p).map_err(bad)?;
         }
         if let Some(d) = &self.region_dir {
             s.region_dir = d.clone();
@@ -197,27 +321,13 @@ impl FileSettings {
             s.batch = b;
         }
         if let Some(tiers) = &self.secondary_tiers {
+            let env = |v: &str| std::env::var(v).ok();
             s.tiers = tiers
                 .iter()
                 .enumerate()
                 .map(|(i, t)| {
-                    if t.kind != "file" {
-                        return Err(bad(format!(
-                            "secondary_tiers[{i}].type: only \"file\" is supported, got {:?}",
-                            t.kind
-                        )));
-                    }
-                    let mut tier = TierSettings::new(t.path.clone(), t.capacity_bytes);
-                    if let Some(p) = &t.eviction_policy {
-                        tier.policy = policy(format!("secondary_tiers[{i}].eviction_policy"), p)?;
-                    }
-                    if let Some(f) = &t.fsync {
-                        tier.fsync = f
-                            .to_ascii_lowercase()
-                            .parse()
-                            .map_err(|e| bad(format!("secondary_tiers[{i}].fsync: {e}")))?;
-                    }
-                    Ok(tier)
+                    let field = |k: &str| format!("secondary_tiers[{i}].{k}");
+                    t.settings(&field, &env).map_err(bad)
                 })
                 .collect::<Result<_, _>>()?;
         }
@@ -251,6 +361,16 @@ impl BenchSettings {
             return bad("batch: must be 1 to 256".into());
         }
         for (i, t) in self.tiers.iter().enumerate() {
+            if t.redis.is_some() {
+                if t.capacity_bytes < row as u64 {
+                    return bad(format!(
+                        "secondary_tiers[{i}].capacity_bytes: {} holds no block of {}",
+                        super::fmt_bytes(t.capacity_bytes),
+                        super::fmt_bytes(row as u64)
+                    ));
+                }
+                continue;
+            }
             if let Err(e) = crate::FileStore::capacity_for(row, t.capacity_bytes) {
                 return bad(format!("secondary_tiers[{i}].capacity_bytes (--tier): {e}"));
             }
@@ -301,15 +421,60 @@ secondary_tiers = [{ type = "file", capacity_bytes = 1073741824 }]
             .apply(&mut BenchSettings::default(), Path::new("c.toml"))
             .unwrap_err();
         assert!(err.to_string().contains("eviction_policy"), "{err}");
-        let f = FileSettings::parse(
-            "[[secondary_tiers]]\ntype = \"redis\"\ncapacity_bytes = 1",
-            Path::new("c.toml"),
-        )
-        .unwrap();
-        let err = f
-            .apply(&mut BenchSettings::default(), Path::new("c.toml"))
-            .unwrap_err();
-        assert!(err.to_string().contains("secondary_tiers[0].type"), "{err}");
+        for (tier, field) in [
+            ("type = \"s3\"", "secondary_tiers[0].type"),
+            ("type = \"redis\"", "secondary_tiers[0].urls"),
+            (
+                "type = \"redis\"\nurls = [\"redis://h\"]\npath = \"/x\"",
+                "secondary_tiers[0].path",
+            ),
+            (
+                "type = \"file\"\nurls = [\"redis://h\"]",
+                "secondary_tiers[0].urls",
+            ),
+            (
+                "type = \"redis\"\nurls = [\"redis://h\"]\ntimeout_ms = 0",
+                "secondary_tiers[0].timeout_ms",
+            ),
+        ] {
+            let text = format!("[[secondary_tiers]]\ncapacity_bytes = 1\n{tier}");
+            let f = FileSettings::parse(&text, Path::new("c.toml")).unwrap();
+            let err = f
+                .apply(&mut BenchSettings::default(), Path::new("c.toml"))
+                .unwrap_err();
+            assert!(err.to_string().contains(field), "{tier}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_redis_tier_reads_its_keys_and_its_credentials_from_the_environment() {
+        let toml = r#"
+[[secondary_tiers]]
+type = "redis"
+urls = ["redis://10.0.0.5:6379", "redis://10.0.0.6:6379"]
+cluster = true
+namespace = "prod"
+capacity_bytes = 1073741824
+timeout_ms = 250
+ttl_s = 3600
+password_env = "KVTIER_SETTINGS_TEST_PASSWORD"
+"#;
+        let f = FileSettings::parse(toml, Path::new("c.toml")).unwrap();
+        let tier = &f.secondary_tiers.as_ref().unwrap()[0];
+        let field = |k: &str| format!("secondary_tiers[0].{k}");
+        let env = |v: &str| (v == "KVTIER_SETTINGS_TEST_PASSWORD").then(|| "pw".to_owned());
+        let t = tier.settings(&field, &env).unwrap();
+        let o = t.redis.as_ref().expect("a redis tier");
+        assert_eq!(o.urls.len(), 2);
+        assert!(o.cluster);
+        assert_eq!(o.namespace, "prod");
+        assert_eq!(o.timeout, std::time::Duration::from_millis(250));
+        assert_eq!(o.ttl, Some(std::time::Duration::from_secs(3600)));
+        assert_eq!(o.password.as_deref(), Some("pw"));
+        assert_eq!(t.capacity_bytes, 1 << 30);
+        // The variable is named, not set: an error naming it.
+        let err = tier.settings(&field, &|_| None).unwrap_err();
+        assert!(err.contains("KVTIER_SETTINGS_TEST_PASSWORD"), "{err}");
     }
 
     #[test]
