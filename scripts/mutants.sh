@@ -77,6 +77,7 @@ refusal_touches|stateright:no transition breaks a rule|refused complete_load cha
 no_hit_protection|stateright:no transition breaks a rule|evicted its request's hit
 stall_batches|stateright:every state settles|every state settles broken
 shared_delete|stateright:no transition breaks a rule|T14
+missing_is_failure|stateright:no transition breaks a rule|J6
 evict_pinned|differential|after op
 no_cooldown|differential|after op
 no_step_gate|differential|after op

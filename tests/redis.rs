@@ -223,7 +223,7 @@ fn a_block_stored_by_one_node_is_found_and_served_by_another() {
 
 /// ★1: a value overwritten by a raw `SET` (a flipped byte, or not a kvtier value at all) is a
 /// failed promotion: the lookup ends Miss, never a Hit with wrong bytes, and the read failure
-/// is counted. A flushed database is the same: the block is not found, nothing is served.
+/// is counted. A flushed database is not a failure: the blocks are missing, nothing is served.
 #[test]
 fn corrupt_and_flushed_values_are_never_served() {
     let server = Server::start(&[]);
@@ -258,13 +258,17 @@ fn corrupt_and_flushed_values_are_never_served() {
         "an intact block is still served"
     );
     assert_eq!(b.load(&key(2), 8), content(&key(2)));
-    // Flushed: node A's index says blocks 0-2 are there; their promotions fail, nothing is
-    // served, and the blocks the primary holds are served as before.
+    // Flushed: node A's index says blocks 0-2 are there. Their promotions find them missing
+    // (J6): nothing is served, the blocks are forgotten, and the tier stays Up, since the
+    // server answered (a flush, an expiry or the server's own eviction is no failure). The
+    // blocks the primary holds are served as before.
     server.cli(&["FLUSHALL"]);
     for i in 0..3 {
         assert_eq!(a.lookup(&key(i)), Lookup::Miss, "block {i} after the flush");
     }
-    assert!(a.driver.manager().stats().tiers[0].1.read_failures >= 1);
+    let (health, tier) = &a.driver.manager().stats().tiers[0];
+    assert_eq!((tier.read_missing, tier.read_failures), (3, 0));
+    assert_eq!(*health, Health::Up);
     assert_eq!(a.lookup(&key(6)), Lookup::Hit);
     assert_eq!(a.load(&key(6), 8), content(&key(6)));
     a.assert_settled();

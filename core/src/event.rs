@@ -135,13 +135,29 @@ pub enum Outcome {
     Ok,
     /// Nothing succeeded.
     Failed,
-    /// Store and load only: the listed blocks succeeded, the others failed.
+    /// Store and load only: the blocks in `succeeded` moved, those in `missing` are no longer
+    /// in the store, the others failed.
     Partial {
         /// The blocks that succeeded.
         succeeded: Vec<Key>,
+        /// Loads from a shared tier only (J6): blocks the store no longer holds (its own
+        /// memory policy evicted them, they expired, or it was flushed). Not a failure: the
+        /// tier forgets them (T15) and stays healthy. Empty for every other job.
+        missing: Vec<Key>,
     },
-    /// Exists only: the tier does not hold the key.
+    /// Exists: the tier does not hold the key. Load from a shared tier: the store holds none
+    /// of the job's blocks any more (every block missing, J6).
     NotFound,
+}
+
+impl Outcome {
+    /// Store and load: the blocks in `succeeded` moved, the others failed.
+    pub fn partial(succeeded: Vec<Key>) -> Self {
+        Outcome::Partial {
+            succeeded,
+            missing: Vec::new(),
+        }
+    }
 }
 
 /// The end of one job, handed to the core by the IO layer.

@@ -1,12 +1,12 @@
 //! The tiering manager: the primary, the secondary tier indexes, jobs, promotion, cascade,
-//! health and back-pressure (rules M1–M11, J1–J5, H1–H6).
+//! health and back-pressure (rules M1–M11, J1–J6, H1–H6).
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 #[cfg(test)]
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, TierKind};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{
     Effect, Event, EventKind, Job, JobKind, JobResult, Lookup, Medium, Outcome, Transfer,
@@ -14,7 +14,7 @@ use crate::event::{
 use crate::key::{JobId, Key, RequestId, SlotId, TierId, push_clone};
 use crate::primary::{BlockState, PreparedStore, Primary};
 use crate::stats::{Health, Stats, TierStats};
-use crate::tier::{TierAnswer, TierIndex};
+use crate::tier::{ReadEnd, TierAnswer, TierIndex};
 
 /// One secondary tier: its index, health and counters.
 #[derive(Clone, Debug)]
@@ -127,6 +127,20 @@ impl Cooldowns {
     }
 }
 
+/// What one collection's results say of each tier's health (H1, H2): per tier, in the order
+/// first seen, whether any of its applied jobs failed.
+#[derive(Debug, Default)]
+struct Verdicts(Vec<(TierId, bool)>);
+
+impl Verdicts {
+    fn note(&mut self, tier: TierId, failed: bool) {
+        match self.0.iter_mut().find(|(t, _)| *t == tier) {
+            Some((_, f)) => *f |= failed,
+            None => self.0.push((tier, failed)),
+        }
+    }
+}
+
 /// The multi-tier KV offloading manager: a pure state machine.
 ///
 /// Inputs are calls (`lookup`, `prepare_store`, `complete_store`, `prepare_load`,
@@ -200,6 +214,7 @@ impl Manager {
                 promotions_started: 0,
                 promotions_succeeded: 0,
                 promotions_failed: 0,
+                promotions_missing: 0,
                 promotions_refused: 0,
                 evictions: 0,
                 load_pins: 0,
@@ -583,7 +598,9 @@ impl Manager {
         for (_, step) in requests.by_id {
             for b in step.batches {
                 for &e in &b.entries {
-                    self.tiers[b.tier.index()].index.end_read(e, true, true);
+                    self.tiers[b.tier.index()]
+                        .index
+                        .end_read(e, ReadEnd::Cancelled, self.step);
                 }
             }
         }
@@ -639,18 +656,33 @@ impl Manager {
         if o.reported {
             return Err(Error::DuplicateResult { job });
         }
+        let shared = self.tiers[o.job.tier.index()].index.kind() == TierKind::Shared;
         match (&result.outcome, &o.job.kind) {
             (
-                Outcome::Partial { succeeded },
+                Outcome::Partial { succeeded, missing },
                 JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. },
             ) => {
                 if let Some(key) = succeeded
                     .iter()
+                    .chain(missing)
                     .find(|k| !blocks.iter().any(|b| &b.key == *k))
                 {
                     return Err(Error::ForeignKey {
                         job,
                         key: key.clone(),
+                    });
+                }
+                let shared_load = shared && matches!(o.job.kind, JobKind::Load { .. });
+                if !missing.is_empty() && !shared_load {
+                    return Err(Error::InvalidOutcome {
+                        job,
+                        reason: "missing blocks apply to loads from a shared tier only",
+                    });
+                }
+                if missing.iter().any(|k| succeeded.contains(k)) {
+                    return Err(Error::InvalidOutcome {
+                        job,
+                        reason: "a block is both read and missing",
                     });
                 }
             }
@@ -661,10 +693,11 @@ impl Manager {
                 });
             }
             (Outcome::NotFound, JobKind::Exists { .. }) | (Outcome::Ok | Outcome::Failed, _) => {}
+            (Outcome::NotFound, JobKind::Load { .. }) if shared => {}
             (Outcome::NotFound, _) => {
                 return Err(Error::InvalidOutcome {
                     job,
-                    reason: "not found applies to existence probes only",
+                    reason: "not found applies to existence probes and loads from a shared tier only",
                 });
             }
         }
@@ -683,14 +716,16 @@ impl Manager {
         }
         // Results already received are applied, but a closing tier caches no probe answer:
         // nothing is inserted, so nothing is evicted or deleted while shutting down.
+        let mut verdicts = Verdicts::default();
         while let Some(mut r) = self.inbox.pop_front() {
             if matches!(self.jobs[&r.job].job.kind, JobKind::Exists { .. }) {
                 r.outcome = Outcome::Failed;
                 self.apply(r, true);
-            } else {
-                self.apply(r, false);
+            } else if let Some((tier, failed)) = self.apply(r, false) {
+                verdicts.note(tier, failed);
             }
         }
+        self.account_health(verdicts);
         let ids: Vec<JobId> = self.jobs.keys().copied().collect();
         for job in ids {
             self.apply(
@@ -706,7 +741,9 @@ impl Manager {
             self.primary
                 .finish_promotions(b.blocks.iter().map(|t| (t.slot, false)));
             for &e in &b.entries {
-                self.tiers[b.tier.index()].index.end_read(e, false, true);
+                self.tiers[b.tier.index()]
+                    .index
+                    .end_read(e, ReadEnd::Cancelled, self.step);
             }
         }
         self.primary.drain_events(&mut self.events);
@@ -755,24 +792,37 @@ impl Manager {
     /// M1: apply every received result now.
     fn collect(&mut self) {
         self.collected = true;
+        let mut verdicts = Verdicts::default();
         while let Some(r) = self.inbox.pop_front() {
-            self.apply(r, false);
+            if let Some((tier, failed)) = self.apply(r, false) {
+                verdicts.note(tier, failed);
+            }
         }
+        self.account_health(verdicts);
     }
 
-    /// J1–J5. `cancelled` (shutdown) skips health accounting, cooldowns and deletions.
-    fn apply(&mut self, result: JobResult, cancelled: bool) {
+    /// J1–J6. `cancelled` (shutdown) skips health accounting, cooldowns and deletions.
+    /// Returns the job's tier and whether the job failed, for health accounting (H1, H2);
+    /// nothing for a health probe or a cancelled job.
+    fn apply(&mut self, result: JobResult, cancelled: bool) -> Option<(TierId, bool)> {
         let Outstanding { job, entries, .. } =
             self.jobs.remove(&result.job).expect("validated job");
-        let mut succeeded: Vec<&Key> = match &result.outcome {
-            Outcome::Partial { succeeded } => succeeded.iter().collect(),
-            _ => Vec::new(),
+        let mut lists: [Vec<&Key>; 2] = match &result.outcome {
+            Outcome::Partial { succeeded, missing } => {
+                [succeeded.iter().collect(), missing.iter().collect()]
+            }
+            _ => [Vec::new(), Vec::new()],
         };
-        succeeded.sort_unstable();
-        let ok_of = |key: &Key| match &result.outcome {
-            Outcome::Ok => true,
-            Outcome::Partial { .. } => succeeded.binary_search(&key).is_ok(),
-            Outcome::Failed | Outcome::NotFound => false,
+        for l in &mut lists {
+            l.sort_unstable();
+        }
+        let [succeeded, missing] = &lists;
+        let end_of = |key: &Key| match &result.outcome {
+            Outcome::Ok => ReadEnd::Ok,
+            Outcome::Partial { .. } if succeeded.binary_search(&key).is_ok() => ReadEnd::Ok,
+            Outcome::Partial { .. } if missing.binary_search(&key).is_ok() => ReadEnd::Missing,
+            Outcome::NotFound => ReadEnd::Missing,
+            Outcome::Partial { .. } | Outcome::Failed => ReadEnd::Failed,
         };
         let tid = job.tier;
         let mut failed = false;
@@ -784,7 +834,7 @@ impl Manager {
                 let events = self.config.events;
                 let mut stored = Vec::with_capacity(if events { blocks.len() } else { 0 });
                 for (b, &e) in blocks.iter().zip(&entries) {
-                    let ok = ok_of(&b.key);
+                    let ok = end_of(&b.key) == ReadEnd::Ok;
                     if ok || !cfg!(kvtier_mutant = "keep_pin_on_failure") {
                         self.primary.unpin_job(b.slot);
                     }
@@ -808,27 +858,40 @@ impl Manager {
                 }
             }
             JobKind::Load { blocks, .. } => {
-                // J2, J3.
-                self.primary
-                    .finish_promotions(blocks.iter().map(|b| (b.slot, ok_of(&b.key))));
+                // J2, J3, J6.
+                self.primary.finish_promotions(
+                    blocks
+                        .iter()
+                        .map(|b| (b.slot, end_of(&b.key) == ReadEnd::Ok)),
+                );
                 self.primary.drain_events(&mut self.events);
                 let mut deletes = Vec::new();
                 for (b, &e) in blocks.iter().zip(&entries) {
-                    let ok = ok_of(&b.key);
+                    let end = match end_of(&b.key) {
+                        _ if cancelled => ReadEnd::Cancelled,
+                        end => end,
+                    };
                     let tier = &mut self.tiers[tid.index()];
-                    if let Some(k) = tier.index.end_read(e, ok, cancelled) {
+                    if let Some(k) = tier.index.end_read(e, end, self.step) {
                         deletes.push(k);
                     }
-                    if ok {
-                        self.stats.promotions_succeeded += 1;
-                    } else {
-                        self.stats.promotions_failed += 1;
-                        tier.stats.read_failures += 1;
-                        failed = true;
-                        if !cancelled {
-                            let until = self.step + u64::from(self.config.promotion_cooldown_steps);
-                            if !cfg!(kvtier_mutant = "no_cooldown") {
-                                self.cooldowns.start(tid, b.key.clone(), until); // ★2
+                    match end {
+                        ReadEnd::Ok => self.stats.promotions_succeeded += 1,
+                        ReadEnd::Missing if !cfg!(kvtier_mutant = "missing_is_failure") => {
+                            // J6: the store let the block go; the tier forgot it (T15).
+                            self.stats.promotions_missing += 1;
+                            tier.stats.read_missing += 1;
+                        }
+                        ReadEnd::Missing | ReadEnd::Failed | ReadEnd::Cancelled => {
+                            self.stats.promotions_failed += 1;
+                            tier.stats.read_failures += 1;
+                            failed = true;
+                            if !cancelled {
+                                let until =
+                                    self.step + u64::from(self.config.promotion_cooldown_steps);
+                                if !cfg!(kvtier_mutant = "no_cooldown") {
+                                    self.cooldowns.start(tid, b.key.clone(), until); // ★2
+                                }
                             }
                         }
                     }
@@ -875,7 +938,7 @@ impl Manager {
                         tracing::debug!(tier = tid.0, "tier still down");
                     }
                 }
-                return;
+                return None;
             }
         }
         let tier = &mut self.tiers[tid.index()];
@@ -883,19 +946,28 @@ impl Manager {
             tier.stats.jobs_failed += 1;
         }
         tracing::debug!(job = result.job.0, tier = tid.0, failed, "job applied");
-        if cancelled || tier.health != HealthState::Up {
-            return;
-        }
-        // H1, H2.
-        if failed {
-            tier.failures += 1;
-            if tier.failures >= self.config.health.failures_to_down {
-                tier.health = HealthState::Down { since: self.step };
-                tier.stats.went_down += 1;
-                tracing::debug!(tier = tid.0, failures = tier.failures, "tier down");
+        (!cancelled).then_some((tid, failed))
+    }
+
+    /// H1, H2, once per collection: a tier with any failed job among the results applied
+    /// counts one failure, however many there were (a step's probes share one round trip: one
+    /// lost round trip is one failure); a tier whose applied jobs all succeeded is reset.
+    fn account_health(&mut self, verdicts: Verdicts) {
+        for (tid, failed) in verdicts.0 {
+            let tier = &mut self.tiers[tid.index()];
+            if tier.health != HealthState::Up {
+                continue;
             }
-        } else {
-            tier.failures = 0;
+            if failed {
+                tier.failures += 1;
+                if tier.failures >= self.config.health.failures_to_down {
+                    tier.health = HealthState::Down { since: self.step };
+                    tier.stats.went_down += 1;
+                    tracing::debug!(tier = tid.0, failures = tier.failures, "tier down");
+                }
+            } else {
+                tier.failures = 0;
+            }
         }
     }
 

@@ -43,6 +43,9 @@ pub struct TierStats {
     pub write_failures: u64,
     /// Blocks whose read (promotion) failed.
     pub read_failures: u64,
+    /// Blocks a load found gone from a shared store (its memory policy evicted them, they
+    /// expired, or it was flushed): forgotten (T15), not failures (J6).
+    pub read_missing: u64,
     /// Jobs that ended with at least one failure.
     pub jobs_failed: u64,
     /// Existence probes submitted (shared tiers).
@@ -79,6 +82,8 @@ pub struct Stats {
     pub promotions_succeeded: u64,
     /// Promoted blocks whose load failed.
     pub promotions_failed: u64,
+    /// Promotions from a shared tier whose block the store no longer held (J6).
+    pub promotions_missing: u64,
     /// Promotions not started because the primary could not make room without evicting a
     /// pinned, Pending or protected block (answered Miss).
     pub promotions_refused: u64,

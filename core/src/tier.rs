@@ -42,6 +42,19 @@ pub enum EntryState {
     },
 }
 
+/// How one block's read ended, as the tier index sees it (T11, T15).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReadEnd {
+    /// The block was read.
+    Ok,
+    /// The read failed.
+    Failed,
+    /// The shared store no longer holds the block (evicted or expired there).
+    Missing,
+    /// The job was cancelled at shutdown.
+    Cancelled,
+}
+
 #[derive(Clone, Debug)]
 struct Entry {
     key: Key,
@@ -340,19 +353,25 @@ impl TierIndex {
         }
     }
 
-    /// T11: a read ended. A failed read drops the block; returns the key to delete when the
-    /// tier is authoritative. A cancelled read (shutdown) only releases the reader.
-    pub(crate) fn end_read(&mut self, id: u32, ok: bool, cancelled: bool) -> Option<Key> {
+    /// T11, T15: a read ended. A failed read drops the block (returns the key to delete, as
+    /// T14 allows); a block the shared store no longer holds is forgotten and remembered as
+    /// absent for `absent_ttl_steps`. A cancelled read (shutdown) only releases the reader.
+    pub(crate) fn end_read(&mut self, id: u32, end: ReadEnd, step: u64) -> Option<Key> {
         let EntryState::Present { readers } = &mut self.entry_mut(id).state else {
             unreachable!("I8: a read block is Present");
         };
         *readers -= 1;
-        if ok || cancelled || *readers > 0 {
+        if matches!(end, ReadEnd::Ok | ReadEnd::Cancelled) || *readers > 0 {
             return None;
         }
         let key = self.remove(id, false);
+        if end == ReadEnd::Missing {
+            tracing::debug!(tier = self.id.0, %key, "the shared store no longer holds the block");
+            self.remember_absent(&key, step);
+            return None;
+        }
         tracing::debug!(tier = self.id.0, %key, "tier drops unreadable block");
-        (self.kind == TierKind::Authoritative).then_some(key)
+        self.to_delete(alloc::vec![key]).pop()
     }
 
     /// T4: an existence probe of `key` was submitted.
@@ -382,20 +401,30 @@ impl TierIndex {
                 evicted
             }
             Some(false) => {
-                let until = step + self.absent_ttl;
-                self.known_absent.insert(key.clone(), until);
-                self.absent_expiry.push_back((until, key.clone()));
-                // Bounded: forget the oldest answers first. The queue may hold stale entries
-                // (a key answered again, or written since); those are skipped.
-                while self.known_absent.len() > self.capacity as usize {
-                    let (until, old) = self.absent_expiry.pop_front().expect("bounded by entries");
-                    if self.known_absent.get(&old) == Some(&until) {
-                        self.known_absent.remove(&old);
-                    }
-                }
+                self.remember_absent(key, step);
                 Vec::new()
             }
             None => Vec::new(),
+        }
+    }
+
+    /// Authoritative or shared.
+    pub fn kind(&self) -> TierKind {
+        self.kind
+    }
+
+    /// T6, T15: `key` is known absent for `absent_ttl_steps` from `step`.
+    fn remember_absent(&mut self, key: &Key, step: u64) {
+        let until = step + self.absent_ttl;
+        self.known_absent.insert(key.clone(), until);
+        self.absent_expiry.push_back((until, key.clone()));
+        // Bounded: forget the oldest answers first. The queue may hold stale entries (a key
+        // answered again, or written since); those are skipped.
+        while self.known_absent.len() > self.capacity as usize {
+            let (until, old) = self.absent_expiry.pop_front().expect("bounded by entries");
+            if self.known_absent.get(&old) == Some(&until) {
+                self.known_absent.remove(&old);
+            }
         }
     }
 

@@ -129,9 +129,7 @@ fn walk(seed: u64, ops: usize) -> Manager {
                         (0, _) => Outcome::Failed,
                         (1, JobKind::Exists { .. }) => Outcome::NotFound,
                         (1, JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. }) => {
-                            Outcome::Partial {
-                                succeeded: blocks.iter().take(1).map(|b| b.key.clone()).collect(),
-                            }
+                            Outcome::partial(blocks.iter().take(1).map(|b| b.key.clone()).collect())
                         }
                         _ => Outcome::Ok,
                     };

@@ -1,5 +1,5 @@
 //! The tiering manager: promotion, cascade, jobs, health, back-pressure (rules M1–M11,
-//! J1–J5, H1–H6, T1–T14 and the "beyond vLLM" rules ★2–★8).
+//! J1–J6, H1–H6, T1–T15 and the "beyond vLLM" rules ★2–★8).
 
 mod common;
 
@@ -506,6 +506,152 @@ fn t14_a_shared_tier_forgets_what_it_evicts() {
     );
 }
 
+/// J6, T15: a load finds blocks gone from the shared store (its memory policy evicted them,
+/// they expired, it was flushed). The promotions end (slots freed), the tier forgets the
+/// blocks and remembers them as absent (no probe, no promotion: the engine recomputes), and
+/// nothing counts as a failure: with `failures_to_down = 1` the tier stays Up. The block that
+/// was read is served.
+#[test]
+fn j6_blocks_gone_from_a_shared_store_are_forgotten_not_failures() {
+    let mut c = Config::new(8);
+    let mut t = TierConfig::new(TierKind::Shared, 8);
+    t.absent_ttl_steps = 4;
+    c.tiers = vec![t];
+    c.health.failures_to_down = 1;
+    let mut m = manager_with(c);
+    in_tier(&mut m, T0, &[1, 2, 3]);
+    for k in [1, 2, 3] {
+        assert_eq!(m.lookup(R1, &key(k)), Lookup::HitPending);
+    }
+    m.end_step();
+    let loads = jobs(&drain(&mut m));
+    assert!(matches!(&loads[..], [j] if j.blocks().len() == 3));
+    let outcome = Outcome::Partial {
+        succeeded: keys([1]),
+        missing: keys([2, 3]),
+    };
+    report(&mut m, &loads, outcome);
+    m.end_step();
+    let s = m.stats();
+    assert_eq!((s.promotions_succeeded, s.promotions_missing), (1, 2));
+    assert_eq!(s.promotions_failed, 0);
+    let (health, t0) = &s.tiers[0];
+    assert_eq!(*health, Health::Up);
+    assert_eq!(
+        (t0.read_missing, t0.read_failures, t0.jobs_failed),
+        (2, 0, 0)
+    );
+    assert_eq!(m.primary().state_of(&key(2)), None);
+    assert_eq!(m.tier(T0).unwrap().state_of(&key(2)), None);
+    assert_eq!(
+        m.tier(T0).unwrap().state_of(&key(1)),
+        Some(EntryState::Present { readers: 0 })
+    );
+    // Known absent (T6's cache): a Miss without a probe, until the answer expires.
+    assert_eq!(m.lookup(R1, &key(1)), Lookup::Hit);
+    assert_eq!(m.lookup(R1, &key(2)), Lookup::Miss);
+    assert!(drain(&mut m).is_empty());
+    // A load whose every block is gone is "not found".
+    in_tier(&mut m, T0, &[4]);
+    assert_eq!(m.lookup(R2, &key(4)), Lookup::HitPending);
+    m.end_step();
+    let load = jobs(&drain(&mut m));
+    report(&mut m, &load, Outcome::NotFound);
+    m.end_step();
+    assert_eq!(m.stats().tiers[0].0, Health::Up);
+    assert_eq!(m.stats().promotions_missing, 3);
+    assert_eq!(m.lookup(R2, &key(4)), Lookup::Miss);
+    for _ in 0..4 {
+        m.end_step();
+    }
+    assert_eq!(m.lookup(R2, &key(4)), Lookup::Retry); // expired: ask the store again
+}
+
+/// J6: "missing" is an answer of a shared store to a load; anything else is refused.
+#[test]
+fn j6_missing_applies_to_shared_loads_only() {
+    let mut c = Config::new(8);
+    c.tiers = vec![
+        TierConfig::new(TierKind::Authoritative, 8),
+        TierConfig::new(TierKind::Shared, 8),
+    ];
+    let mut m = manager_with(c);
+    in_tier(&mut m, T0, &[1]);
+    in_tier(&mut m, T1, &[2]);
+    m.lookup(R1, &key(1));
+    m.lookup(R1, &key(2));
+    m.end_step();
+    let js = jobs(&drain(&mut m));
+    let (auth, shared) = (js[0].id, js[1].id);
+    let before = fingerprint(&m);
+    let gone = |k| Outcome::Partial {
+        succeeded: Vec::new(),
+        missing: keys([k]),
+    };
+    for (job, outcome) in [
+        (auth, gone(1)),
+        (auth, Outcome::NotFound),
+        (
+            shared,
+            Outcome::Partial {
+                succeeded: keys([2]),
+                missing: keys([2]),
+            },
+        ),
+    ] {
+        assert!(matches!(
+            m.handle_job_result(JobResult { job, outcome }),
+            Err(Error::InvalidOutcome { .. })
+        ));
+    }
+    assert_eq!(
+        m.handle_job_result(JobResult {
+            job: shared,
+            outcome: gone(9)
+        }),
+        Err(Error::ForeignKey {
+            job: shared,
+            key: key(9)
+        })
+    );
+    assert_eq!(fingerprint(&m), before);
+    m.handle_job_result(JobResult {
+        job: shared,
+        outcome: gone(2),
+    })
+    .unwrap();
+}
+
+/// H1: one collection counts at most one failure per tier, however many of its jobs failed
+/// (a step's probes share one round trip to the store: one lost round trip is one failure).
+#[test]
+fn h1_one_collection_counts_one_failure_per_tier() {
+    let mut c = Config::new(8);
+    c.tiers = vec![TierConfig::new(TierKind::Shared, 8)];
+    c.health.failures_to_down = 2;
+    let mut m = manager_with(c);
+    for k in 1..=3 {
+        assert_eq!(m.lookup(R1, &key(k)), Lookup::Retry);
+    }
+    let probes = jobs(&drain(&mut m));
+    assert_eq!(probes.len(), 3);
+    report(&mut m, &probes, Outcome::Failed);
+    m.end_step();
+    m.end_step();
+    assert_eq!(m.stats().tiers[0].1.jobs_failed, 3);
+    assert_eq!(
+        m.stats().tiers[0].0,
+        Health::Up,
+        "one collection, one failure"
+    );
+    assert_eq!(m.lookup(R1, &key(4)), Lookup::Retry);
+    let probe = jobs(&drain(&mut m));
+    report(&mut m, &probe, Outcome::Failed);
+    m.end_step();
+    m.end_step();
+    assert!(matches!(m.stats().tiers[0].0, Health::Down { .. }));
+}
+
 /// T9: a shared tier trusts a "not found" for exactly `absent_ttl_steps` steps after it is
 /// collected, and remembers at most `capacity` such answers, forgetting the oldest first.
 #[test]
@@ -567,13 +713,7 @@ fn partial_results() {
     let mut m = manager(4, &[8]);
     store(&mut m, R1, &keys([1, 2]));
     let js = jobs(&drain(&mut m));
-    report(
-        &mut m,
-        &js,
-        Outcome::Partial {
-            succeeded: keys([2]),
-        },
-    );
+    report(&mut m, &js, Outcome::partial(keys([2])));
     m.end_step();
     m.end_step();
     let t = m.tier(T0).unwrap();
@@ -590,13 +730,7 @@ fn partial_results() {
     m.lookup(R1, &key(6));
     m.end_step();
     let js = jobs(&drain(&mut m));
-    report(
-        &mut m,
-        &js,
-        Outcome::Partial {
-            succeeded: keys([6]),
-        },
-    );
+    report(&mut m, &js, Outcome::partial(keys([6])));
     m.end_step();
     assert_eq!(m.lookup(R1, &key(6)), Lookup::Hit);
     assert_eq!(m.lookup(R1, &key(5)), Lookup::Miss); // cooling down (and dropped)
@@ -615,12 +749,7 @@ fn bad_results_are_rejected_without_change() {
         Err(Error::UnknownJob { job: JobId(99) })
     );
     assert_eq!(
-        m.handle_job_result(bad(
-            js[0].id,
-            Outcome::Partial {
-                succeeded: keys([9])
-            }
-        )),
+        m.handle_job_result(bad(js[0].id, Outcome::partial(keys([9])))),
         Err(Error::ForeignKey {
             job: js[0].id,
             key: key(9)

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::{
     Config, Effect, Event, Job, JobKind, JobResult, Key, Lookup, Manager, Metrics, Outcome,
-    PreparedStore, RequestId, SlotId, TierId,
+    PreparedStore, RequestId, SlotId, TierId, TierKind,
 };
 
 use crate::HwError;
@@ -152,8 +152,12 @@ impl Driver {
         let mut manager = Manager::new(config)?;
         for (i, s) in stores.iter().enumerate() {
             let rejected = manager.restore_tier(TierId(i as u16), s.recovered())?;
-            for key in &rejected {
-                s.delete(key)?;
+            // Blocks beyond the tier's capacity: an authoritative tier frees their room; a
+            // shared one only forgets them (T14: other nodes may be reading them).
+            if s.kind() == TierKind::Authoritative {
+                for key in &rejected {
+                    s.delete(key)?;
+                }
             }
             tracing::info!(
                 tier = i,
@@ -552,9 +556,15 @@ impl Driver {
 
     fn apply_tier(&mut self, d: TierDone) {
         self.jobs_in_flight -= 1;
-        let ok = matches!(d.result.outcome, Outcome::Ok | Outcome::NotFound);
+        // A probe's "not found" is an answer; a load's (every block gone from a shared
+        // store, J6) moved nothing.
+        let ok = match d.result.outcome {
+            Outcome::Ok => true,
+            Outcome::NotFound => d.path == JobPath::Probe,
+            _ => false,
+        };
         let blocks = match &d.result.outcome {
-            Outcome::Partial { succeeded } => succeeded.len() as u64,
+            Outcome::Partial { succeeded, .. } => succeeded.len() as u64,
             _ => d.bytes / self.region.layout().row_bytes() as u64,
         };
         let path = match d.path {

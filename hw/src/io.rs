@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{Job, JobId, JobKind, JobResult, Key, Outcome, SlotId, TierId, Transfer};
+use kvtier_core::{
+    Job, JobId, JobKind, JobResult, Key, Outcome, SlotId, TierId, TierKind, Transfer,
+};
 
 use crate::engine::{Completion, Completions};
 use crate::queue::Queue;
@@ -191,15 +193,19 @@ fn probe_guarded(
             .map(|_| Err(StoreError::Unavailable(format!("panicked: {message}"))))
             .collect()
     });
+    // Answers go to the probes in order; anything else (never sent here) fails on its own.
     let mut answers = answers.into_iter();
     probes
         .iter()
         .map(|job| {
-            let answer = answers.next().unwrap_or_else(|| {
-                Err(StoreError::Unavailable(
-                    "the store gave too few answers".into(),
-                ))
-            });
+            let answer = match job.kind {
+                JobKind::Exists { .. } => answers.next().unwrap_or_else(|| {
+                    Err(StoreError::Unavailable(
+                        "the store gave too few answers".into(),
+                    ))
+                }),
+                _ => Err(StoreError::BadInput(format!("{} is not a probe", job.id))),
+            };
             probe_ended(answer).finish(tier, job.id, JobPath::Probe, started, begun)
         })
         .collect()
@@ -405,10 +411,16 @@ fn run_job(
     let mut error = None;
     let (outcome, bytes) = match &job.kind {
         JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. } => {
+            // J6: a block a shared store no longer holds (its memory policy evicted it, it
+            // expired, the store was flushed) is missing, not failed.
+            let loads_shared =
+                matches!(job.kind, JobKind::Load { .. }) && store.kind() == TierKind::Shared;
             let mut ok = Vec::with_capacity(blocks.len());
+            let mut missing = Vec::new();
             for (b, r) in blocks.iter().zip(results) {
                 match r {
                     Ok(()) => ok.push(b.key.clone()),
+                    Err(StoreError::NotFound { key }) if loads_shared => missing.push(key),
                     Err(e) => {
                         error.get_or_insert(e);
                     }
@@ -417,10 +429,15 @@ fn run_job(
             let bytes = ok.len() as u64 * region.layout().row_bytes() as u64;
             let outcome = if ok.len() == blocks.len() {
                 Outcome::Ok
-            } else if ok.is_empty() {
+            } else if missing.len() == blocks.len() {
+                Outcome::NotFound
+            } else if ok.is_empty() && missing.is_empty() {
                 Outcome::Failed
             } else {
-                Outcome::Partial { succeeded: ok }
+                Outcome::Partial {
+                    succeeded: ok,
+                    missing,
+                }
             };
             (outcome, bytes)
         }

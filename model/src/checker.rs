@@ -18,8 +18,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{Hash, Hasher};
 
 use kvtier_core::{
-    BlockState, Config, Effect, EntryState, EventKind, Job, JobKind, JobResult, Key, Lookup,
-    Manager, Medium, Outcome, RequestId, SlotId, TierConfig, TierKind,
+    BlockState, Config, Effect, EntryState, EventKind, Job, JobId, JobKind, JobResult, Key, Lookup,
+    Manager, Medium, Outcome, RequestId, SlotId, TierConfig, TierId, TierKind,
 };
 use stateright::{Model, Property};
 
@@ -100,6 +100,10 @@ pub struct ModelState {
     written: BTreeMap<SlotId, Key>,
     /// Hits answered in this step, per request (★8: never evicted by its own promotion).
     hits: BTreeSet<(RequestId, Key)>,
+    /// The results handed in and not yet applied: per job, its tier and whether it counts as
+    /// a failed job (J6: a block the shared store no longer holds is no failure). Derived
+    /// from the core's inbox, which is part of the canonical state.
+    failing: BTreeMap<JobId, (TierId, bool)>,
     /// The first property this state's transition broke, if any.
     pub violation: Option<String>,
     canon: String,
@@ -111,6 +115,7 @@ impl ModelState {
             core,
             written: BTreeMap::new(),
             hits: BTreeSet::new(),
+            failing: BTreeMap::new(),
             violation: None,
             canon: String::new(),
         };
@@ -160,7 +165,7 @@ pub enum End {
     Failed,
     /// Only the first block moved (store and load jobs of two or more blocks).
     FirstOnly,
-    /// Not found (existence probes).
+    /// Not found (existence probes); no block held any more (loads from a shared tier).
     NotFound,
 }
 
@@ -262,9 +267,7 @@ impl TieringModel {
                 let outcome = match end {
                     End::Ok => Outcome::Ok,
                     End::Failed => Outcome::Failed,
-                    End::FirstOnly => Outcome::Partial {
-                        succeeded: vec![blocks[0].key.clone()],
-                    },
+                    End::FirstOnly => Outcome::partial(vec![blocks[0].key.clone()]),
                     End::NotFound => Outcome::NotFound,
                 };
                 // A load writes into the slots: the blocks that succeeded hold their data,
@@ -283,6 +286,9 @@ impl TieringModel {
                         }
                     }
                 }
+                let counts = !matches!(job.kind, JobKind::Health)
+                    && matches!(end, End::Failed | End::FirstOnly);
+                n.failing.insert(job.id, (job.tier, counts));
                 if let Err(e) = m.handle_job_result(JobResult {
                     job: job.id,
                     outcome,
@@ -359,6 +365,34 @@ impl TieringModel {
                     n.violation = Some(format!("a promotion evicted its request's hit {k}"));
                 }
             }
+        }
+        // J6, H1: a tier counts as failed exactly the jobs that failed; a block the shared
+        // store no longer holds is no failure. Shutdown cancels jobs: it is not judged.
+        let applied: Vec<JobId> = n
+            .failing
+            .keys()
+            .filter(|j| !m.outstanding_jobs().any(|o| o.id == **j))
+            .copied()
+            .collect();
+        for t in 0..m.config().tiers.len() {
+            let tid = TierId(t as u16);
+            let expected = applied
+                .iter()
+                .filter(|j| n.failing[j] == (tid, true))
+                .count() as u64;
+            let counted = |c: &Manager| c.stats().tiers[t].1.jobs_failed;
+            let delta = counted(m) - counted(&s.core);
+            if *action != Action::Shutdown && delta != expected && n.violation.is_none() {
+                n.violation = Some(format!(
+                    "J6: {tid} counted {delta} failed jobs, the results applied hold {expected}"
+                ));
+            }
+        }
+        for j in applied {
+            n.failing.remove(&j);
+        }
+        if *action == Action::Shutdown {
+            n.failing.clear();
         }
         // A block is Ready only once its data is fully written into its slot.
         for k in 0..self.keys {
@@ -479,6 +513,11 @@ impl Model for TieringModel {
                     &[End::Ok, End::Failed, End::FirstOnly]
                 }
                 JobKind::Exists { .. } => &[End::Ok, End::NotFound, End::Failed],
+                JobKind::Load { .. }
+                    if self.config.tiers[j.tier.index()].kind == TierKind::Shared =>
+                {
+                    &[End::Ok, End::Failed, End::NotFound]
+                }
                 _ => &[End::Ok, End::Failed],
             };
             for &e in ends {

@@ -93,24 +93,38 @@ impl Harness {
         Ok(())
     }
 
-    fn outcome(job: &Job, how: Finish) -> Outcome {
+    /// The result `how` gives `job`; `shared` says whether its tier is shared.
+    fn outcome(job: &Job, how: Finish, shared: bool) -> Outcome {
         let blocks = job.blocks();
+        let bit = |mask: u8, i: usize| mask >> (i % 8) & 1 == 1;
+        let keys = |f: &dyn Fn(usize) -> bool| -> Vec<Key> {
+            blocks
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| f(*i))
+                .map(|(_, b)| b.key.clone())
+                .collect()
+        };
+        let shared_load = shared && matches!(job.kind, JobKind::Load { .. });
         match (how, &job.kind) {
             (Finish::Ok, _) => Outcome::Ok,
             (Finish::Failed, _) => Outcome::Failed,
             (Finish::Partial(mask), JobKind::Store { .. } | JobKind::Load { .. }) => {
-                Outcome::Partial {
-                    succeeded: blocks
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| mask >> (i % 8) & 1 == 1)
-                        .map(|(_, b)| b.key.clone())
-                        .collect(),
-                }
+                Outcome::partial(keys(&|i| bit(mask, i)))
             }
             (Finish::Partial(_), _) => Outcome::Ok,
             (Finish::NotFound, JobKind::Exists { .. }) => Outcome::NotFound,
+            (Finish::NotFound, _) if shared_load => Outcome::NotFound,
             (Finish::NotFound, _) => Outcome::Failed,
+            // Set bits: gone from the store; of the others, every second one failed.
+            (Finish::Missing(mask), _) if shared_load => Outcome::Partial {
+                succeeded: keys(&|i| !bit(mask, i) && i % 2 == 0),
+                missing: keys(&|i| bit(mask, i)),
+            },
+            (Finish::Missing(mask), JobKind::Store { .. } | JobKind::Load { .. }) => {
+                Outcome::partial(keys(&|i| !bit(mask, i)))
+            }
+            (Finish::Missing(_), _) => Outcome::Ok,
         }
     }
 
@@ -225,7 +239,9 @@ impl Harness {
             Op::Finish { pick, how } => {
                 if !self.pending.is_empty() {
                     let job = self.pending.remove(usize::from(*pick) % self.pending.len());
-                    let outcome = Self::outcome(&job, *how);
+                    let shared =
+                        self.core.config().tiers[job.tier.index()].kind == TierKind::Shared;
+                    let outcome = Self::outcome(&job, *how, shared);
                     self.report(&job, outcome)?;
                 }
             }
@@ -291,18 +307,19 @@ impl Harness {
             Invalid::ForeignKey => {
                 pick(&self.pending, &|j| !j.blocks().is_empty()).map(|j| JobResult {
                     job: j.id,
-                    outcome: Outcome::Partial {
-                        succeeded: vec![Key::from([200u8])],
-                    },
+                    outcome: Outcome::partial(vec![Key::from([200u8])]),
                 })
             }
             Invalid::WrongOutcome => pick(&self.pending, &|_| true).map(|j| JobResult {
                 job: j.id,
-                outcome: match j.kind {
-                    JobKind::Exists { .. } | JobKind::Health => Outcome::Partial {
-                        succeeded: Vec::new(),
+                outcome: match &j.kind {
+                    JobKind::Exists { .. } | JobKind::Health => Outcome::partial(Vec::new()),
+                    JobKind::Store { .. } => Outcome::NotFound,
+                    // Read and missing at once: wrong on any tier.
+                    JobKind::Load { blocks, .. } => Outcome::Partial {
+                        succeeded: vec![blocks[0].key.clone()],
+                        missing: vec![blocks[0].key.clone()],
                     },
-                    _ => Outcome::NotFound,
                 },
             }),
             Invalid::UnpinnedLoad => {

@@ -35,8 +35,13 @@ pub enum Finish {
     Failed,
     /// The blocks whose bit is set in the mask succeeded (store and load jobs; others: Ok).
     Partial(u8),
-    /// An existence probe: not found (other jobs: Failed).
+    /// An existence probe: not found; a load from a shared tier: every block gone from the
+    /// store (other jobs: Failed).
     NotFound,
+    /// A load from a shared tier: the blocks whose bit is set are gone from the store, every
+    /// second one of the others failed (J6); other store and load jobs: the blocks whose bit
+    /// is set failed; other jobs: Ok.
+    Missing(u8),
 }
 
 /// A deliberately invalid call.
@@ -216,6 +221,7 @@ fn finish() -> impl Strategy<Value = Finish> {
         2 => Just(Finish::Failed),
         1 => any::<u8>().prop_map(Finish::Partial),
         1 => Just(Finish::NotFound),
+        1 => any::<u8>().prop_map(Finish::Missing),
     ]
 }
 

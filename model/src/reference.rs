@@ -498,6 +498,15 @@ impl Tier {
         self.entries.remove(key);
         self.recency.remove(key);
     }
+
+    /// T6, T15: `key` is absent for `absent_ttl` steps; the oldest answers go first.
+    fn known_absent(&mut self, key: &Key, step: u64) {
+        self.absent.retain(|(k, _)| k != key);
+        self.absent.push((key.clone(), step + self.absent_ttl));
+        while self.absent.len() > self.cap {
+            self.absent.remove(0);
+        }
+    }
 }
 
 /// The promotions staged in one step for one tier: per request, in the order of its first
@@ -777,8 +786,30 @@ impl RefModel {
     /// M1: apply every result received so far.
     fn collect(&mut self) {
         self.collected = true;
+        let mut failed_in = BTreeMap::new();
         for r in std::mem::take(&mut self.inbox) {
-            self.apply(r, false);
+            if let Some((t, failed)) = self.apply(r, false) {
+                *failed_in.entry(t).or_insert(false) |= failed;
+            }
+        }
+        self.health_after(failed_in);
+    }
+
+    /// H1, H2: each tier's verdict over one collection counts once.
+    fn health_after(&mut self, failed_in: BTreeMap<usize, bool>) {
+        for (t, failed) in failed_in {
+            let tier = &mut self.tiers[t];
+            if tier.health != Health::Up {
+                continue;
+            }
+            if !failed {
+                tier.failures = 0;
+                continue;
+            }
+            tier.failures += 1;
+            if tier.failures >= self.config.health.failures_to_down {
+                tier.health = Health::Down(self.step);
+            }
         }
     }
 
@@ -1159,15 +1190,28 @@ impl RefModel {
             JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. } => Some(blocks),
             _ => None,
         };
+        let shared_load = matches!(j.kind, JobKind::Load { .. })
+            && self.tiers[j.tier.0 as usize].kind == TierKind::Shared;
         match (&result.outcome, blocks, &j.kind) {
-            (Outcome::Partial { succeeded }, Some(blocks), _) => {
-                if let Some(k) = succeeded
-                    .iter()
-                    .find(|k| !blocks.iter().any(|b| &b.key == *k))
-                {
-                    return Err(Error::ForeignKey {
+            (Outcome::Partial { succeeded, missing }, Some(blocks), _) => {
+                for k in succeeded.iter().chain(missing) {
+                    if !blocks.iter().any(|b| &b.key == k) {
+                        return Err(Error::ForeignKey {
+                            job,
+                            key: k.clone(),
+                        });
+                    }
+                }
+                if !missing.is_empty() && !shared_load {
+                    return Err(Error::InvalidOutcome {
                         job,
-                        key: k.clone(),
+                        reason: "missing blocks apply to loads from a shared tier only",
+                    });
+                }
+                if succeeded.iter().any(|k| missing.contains(k)) {
+                    return Err(Error::InvalidOutcome {
+                        job,
+                        reason: "a block is both read and missing",
                     });
                 }
             }
@@ -1178,10 +1222,11 @@ impl RefModel {
                 });
             }
             (Outcome::NotFound, _, JobKind::Exists { .. }) => {}
+            (Outcome::NotFound, _, _) if shared_load => {}
             (Outcome::NotFound, _, _) => {
                 return Err(Error::InvalidOutcome {
                     job,
-                    reason: "not found applies to existence probes only",
+                    reason: "not found applies to existence probes and loads from a shared tier only",
                 });
             }
             _ => {}
@@ -1196,15 +1241,17 @@ impl RefModel {
         if self.closed {
             return;
         }
+        let mut failed_in = BTreeMap::new();
         for mut r in std::mem::take(&mut self.inbox) {
             // A closing tier caches no probe answer.
             if matches!(self.jobs[&r.job].0.kind, JobKind::Exists { .. }) {
                 r.outcome = Outcome::Failed;
                 self.apply(r, true);
-            } else {
-                self.apply(r, false);
+            } else if let Some((t, failed)) = self.apply(r, false) {
+                *failed_in.entry(t).or_insert(false) |= failed;
             }
         }
+        self.health_after(failed_in);
         let ids: Vec<JobId> = self.jobs.keys().copied().collect();
         for job in ids {
             self.apply(
@@ -1244,12 +1291,18 @@ impl RefModel {
         id
     }
 
-    /// J1–J5.
-    fn apply(&mut self, result: JobResult, cancelled: bool) {
+    /// J1–J6; the job's tier and whether it failed, for the collection's health verdict.
+    fn apply(&mut self, result: JobResult, cancelled: bool) -> Option<(usize, bool)> {
         let (job, _) = self.jobs.remove(&result.job).expect("checked job");
         let ok = |k: &Key| match &result.outcome {
             Outcome::Ok => true,
-            Outcome::Partial { succeeded } => succeeded.contains(k),
+            Outcome::Partial { succeeded, .. } => succeeded.contains(k),
+            _ => false,
+        };
+        // Loads from a shared tier only (validated): the store let these blocks go.
+        let gone = |k: &Key| match &result.outcome {
+            Outcome::NotFound => true,
+            Outcome::Partial { missing, .. } => missing.contains(k),
             _ => false,
         };
         let t = job.tier.0 as usize;
@@ -1296,7 +1349,17 @@ impl RefModel {
                         unreachable!("a read block is present");
                     };
                     *r -= 1;
-                    if !good && !cancelled && *r == 0 {
+                    let last = *r == 0;
+                    if !cancelled && gone(&b.key) {
+                        // Forgotten and known absent, like a probe's "not found"; the tier
+                        // answered, so this is no failure and starts no cooldown.
+                        if last {
+                            tier.drop_entry(&b.key);
+                            tier.known_absent(&b.key, self.step);
+                        }
+                        continue;
+                    }
+                    if !good && !cancelled && last {
                         tier.drop_entry(&b.key);
                         if tier.kind == TierKind::Authoritative {
                             deletes.push(b.key.clone());
@@ -1334,14 +1397,7 @@ impl RefModel {
                             // it evicts: no deletion (T14).
                             self.emit(Medium::Tier(tid), EventKind::Removed, evicted);
                         }
-                        Outcome::NotFound => {
-                            let until = self.step + tier.absent_ttl;
-                            tier.absent.retain(|(k, _)| k != key);
-                            tier.absent.push((key.clone(), until));
-                            while tier.absent.len() > tier.cap {
-                                tier.absent.remove(0);
-                            }
-                        }
+                        Outcome::NotFound => tier.known_absent(key, self.step),
                         _ => {}
                     }
                 }
@@ -1356,21 +1412,10 @@ impl RefModel {
                         tier.health = Health::Down(self.step);
                     }
                 }
-                return;
+                return None;
             }
         }
-        let tier = &mut self.tiers[t];
-        if cancelled || tier.health != Health::Up {
-            return;
-        }
-        if failed {
-            tier.failures += 1;
-            if tier.failures >= self.config.health.failures_to_down {
-                tier.health = Health::Down(self.step);
-            }
-        } else {
-            tier.failures = 0;
-        }
+        (!cancelled).then_some((t, failed))
     }
 }
 

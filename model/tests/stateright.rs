@@ -6,7 +6,7 @@ use kvtier_model::checker::TieringModel;
 use stateright::{Checker, Model};
 
 /// Unique states of [`TieringModel::ci`] at its closure.
-const CI_STATES: usize = 7_299_926;
+const CI_STATES: usize = 7_299_494;
 
 #[test]
 #[cfg_attr(

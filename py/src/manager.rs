@@ -20,7 +20,8 @@ use kvtier_core::{
     ReuseFilter, TierConfig, TierKind,
 };
 use kvtier_hw::{
-    Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, Region, SecondaryStore,
+    Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, RedisOptions, RedisStore,
+    Region, SecondaryStore, StoreError,
 };
 
 use crate::errors;
@@ -130,10 +131,17 @@ type EventTuple<'py> = (i32, u8, Vec<Bound<'py, PyBytes>>);
 
 /// A secondary tier's settings, as `kvtier.vllm` passes them.
 struct TierSettings {
-    path: PathBuf,
     capacity_bytes: u64,
     policy: PolicyKind,
-    fsync: FsyncPolicy,
+    store: StoreSettings,
+}
+
+/// What the tier stores its blocks in.
+enum StoreSettings {
+    /// A local, persistent file tier.
+    File { path: PathBuf, fsync: FsyncPolicy },
+    /// A tier shared by many nodes on Redis or Redis Cluster; the identity is the manager's.
+    Redis(RedisOptions),
 }
 
 struct Inner {
@@ -274,52 +282,122 @@ fn parse_fsync(key: &str, name: &str) -> PyResult<FsyncPolicy> {
     name.parse().map_err(|e: String| errors::config(key, e))
 }
 
+/// The keys each tier type takes, beside `type`, `capacity_bytes` and `eviction_policy`.
+const FILE_KEYS: [&str; 2] = ["path", "fsync"];
+const REDIS_KEYS: [&str; 7] = [
+    "urls",
+    "cluster",
+    "namespace",
+    "timeout_ms",
+    "ttl_s",
+    "username_env",
+    "password_env",
+];
+
 fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
     let name = |k: &str| format!("secondary_tiers[{i}].{k}");
     let get = |k: &str| d.get_item(k);
-    let kind: String = match get("type")? {
-        Some(v) => v
-            .extract()
-            .map_err(|_| errors::config(&name("type"), "not a string"))?,
-        None => return Err(errors::config(&name("type"), "missing (\"file\")")),
-    };
-    if kind != "file" {
-        return Err(errors::config(
-            &name("type"),
-            format!("unknown tier type {kind:?} (this release has \"file\")"),
-        ));
+    /// A required or optional value of type `T`, with an error naming the key.
+    fn value<'py, T: FromPyObjectOwned<'py>>(
+        v: Option<Bound<'py, PyAny>>,
+        key: &str,
+        what: &str,
+    ) -> PyResult<Option<T>> {
+        v.map(|v| {
+            v.extract()
+                .map_err(|_| errors::config(key, format!("not {what}")))
+        })
+        .transpose()
     }
-    let path: PathBuf = match get("path")? {
-        Some(v) => v
-            .extract()
-            .map_err(|_| errors::config(&name("path"), "not a path"))?,
-        None => return Err(errors::config(&name("path"), "missing")),
-    };
-    let capacity_bytes: u64 = match get("capacity_bytes")? {
-        Some(v) => v
-            .extract()
-            .map_err(|_| errors::config(&name("capacity_bytes"), "not a positive integer"))?,
-        None => return Err(errors::config(&name("capacity_bytes"), "missing")),
-    };
-    let policy = match get("eviction_policy")? {
-        Some(v) => parse_policy(&name("eviction_policy"), &v.extract::<String>()?)?,
-        None => PolicyKind::Lru,
-    };
-    let fsync = match get("fsync")? {
-        Some(v) => parse_fsync(&name("fsync"), &v.extract::<String>()?)?,
-        None => FsyncPolicy::default(),
+    let kind: String = value(get("type")?, &name("type"), "a string")?
+        .ok_or_else(|| errors::config(&name("type"), "missing (\"file\" or \"redis\")"))?;
+    let own_keys: &[&str] = match kind.as_str() {
+        "file" => &FILE_KEYS,
+        "redis" => &REDIS_KEYS,
+        _ => {
+            return Err(errors::config(
+                &name("type"),
+                format!("unknown tier type {kind:?} (kvtier has \"file\" and \"redis\")"),
+            ));
+        }
     };
     for k in d.keys() {
         let k: String = k.extract()?;
-        if !["type", "path", "capacity_bytes", "eviction_policy", "fsync"].contains(&k.as_str()) {
-            return Err(errors::config(&name(&k), "unknown setting"));
+        if !["type", "capacity_bytes", "eviction_policy"].contains(&k.as_str())
+            && !own_keys.contains(&k.as_str())
+        {
+            let why = if FILE_KEYS.contains(&k.as_str()) || REDIS_KEYS.contains(&k.as_str()) {
+                format!("not a setting of a {kind} tier")
+            } else {
+                "unknown setting".to_owned()
+            };
+            return Err(errors::config(&name(&k), why));
         }
     }
+    let capacity_bytes: u64 = value(
+        get("capacity_bytes")?,
+        &name("capacity_bytes"),
+        "a positive integer",
+    )?
+    .ok_or_else(|| errors::config(&name("capacity_bytes"), "missing"))?;
+    let policy = match value::<String>(
+        get("eviction_policy")?,
+        &name("eviction_policy"),
+        "a string",
+    )? {
+        Some(v) => parse_policy(&name("eviction_policy"), &v)?,
+        None => PolicyKind::Lru,
+    };
+    let store = if kind == "file" {
+        let path: PathBuf = value(get("path")?, &name("path"), "a path")?
+            .ok_or_else(|| errors::config(&name("path"), "missing"))?;
+        let fsync = match value::<String>(get("fsync")?, &name("fsync"), "a string")? {
+            Some(v) => parse_fsync(&name("fsync"), &v)?,
+            None => FsyncPolicy::default(),
+        };
+        StoreSettings::File { path, fsync }
+    } else {
+        let mut o = RedisOptions {
+            urls: value(get("urls")?, &name("urls"), "a list of URLs")?
+                .ok_or_else(|| errors::config(&name("urls"), "missing"))?,
+            ..RedisOptions::default()
+        };
+        if let Some(c) = value(get("cluster")?, &name("cluster"), "true or false")? {
+            o.cluster = c;
+        }
+        if let Some(n) = value(get("namespace")?, &name("namespace"), "a string")? {
+            o.namespace = n;
+        }
+        if let Some(ms) = value::<u64>(
+            get("timeout_ms")?,
+            &name("timeout_ms"),
+            "a number of milliseconds",
+        )? {
+            o.timeout = Duration::from_millis(ms);
+        }
+        if let Some(s) = value::<u64>(get("ttl_s")?, &name("ttl_s"), "a number of seconds")? {
+            o.ttl = Some(Duration::from_secs(s));
+        }
+        let username_env: Option<String> = value(
+            get("username_env")?,
+            &name("username_env"),
+            "a variable name",
+        )?;
+        let password_env: Option<String> = value(
+            get("password_env")?,
+            &name("password_env"),
+            "a variable name",
+        )?;
+        o.credentials_from(username_env.as_deref(), password_env.as_deref(), |v| {
+            std::env::var(v).ok()
+        })
+        .map_err(|e| errors::config(&name("password_env"), e))?;
+        StoreSettings::Redis(o)
+    };
     Ok(TierSettings {
-        path,
         capacity_bytes,
         policy,
-        fsync,
+        store,
     })
 }
 
@@ -428,23 +506,40 @@ impl Manager {
         let build = move || -> PyResult<Driver> {
             let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
             for (i, t) in settings.iter().enumerate() {
-                let cap = FileStore::capacity_for(row, t.capacity_bytes).map_err(|e| {
-                    errors::config(&format!("secondary_tiers[{i}].capacity_bytes"), e)
-                })?;
-                std::fs::create_dir_all(&t.path).map_err(|e| {
-                    errors::TierError::new_err(format!("{}: {e}", t.path.display()))
-                })?;
-                let options = FileOptions {
-                    identity: identity.clone(),
-                    fsync: t.fsync,
-                    ..FileOptions::default()
+                let (store, kind): (Arc<dyn SecondaryStore>, TierKind) = match &t.store {
+                    StoreSettings::File { path, fsync } => {
+                        FileStore::capacity_for(row, t.capacity_bytes).map_err(|e| {
+                            errors::config(&format!("secondary_tiers[{i}].capacity_bytes"), e)
+                        })?;
+                        std::fs::create_dir_all(path).map_err(|e| {
+                            errors::TierError::new_err(format!("{}: {e}", path.display()))
+                        })?;
+                        let options = FileOptions {
+                            identity: identity.clone(),
+                            fsync: *fsync,
+                            ..FileOptions::default()
+                        };
+                        let store = FileStore::open_with(path, row, t.capacity_bytes, options)
+                            .map_err(errors::store)?;
+                        (Arc::new(store), TierKind::Authoritative)
+                    }
+                    StoreSettings::Redis(o) => {
+                        let mut o = o.clone();
+                        o.identity = identity.clone();
+                        let store =
+                            RedisStore::open(&o, row, t.capacity_bytes).map_err(|e| match e {
+                                StoreError::BadInput(why) => {
+                                    errors::config(&format!("secondary_tiers[{i}]"), why)
+                                }
+                                e => errors::store(e),
+                            })?;
+                        (Arc::new(store), TierKind::Shared)
+                    }
                 };
-                let store = FileStore::open_with(&t.path, row, t.capacity_bytes, options)
-                    .map_err(errors::store)?;
-                let mut tc = TierConfig::new(TierKind::Authoritative, cap);
+                let mut tc = TierConfig::new(kind, store.capacity_blocks());
                 tc.policy = t.policy;
                 config.tiers.push(tc);
-                stores.push(Arc::new(store));
+                stores.push(store);
             }
             config
                 .validate()
@@ -913,6 +1008,8 @@ impl Manager {
         d.set_item("evictions", s.evictions)?;
         d.set_item("promotions_started", s.promotions_started)?;
         d.set_item("promotions_refused", s.promotions_refused)?;
+        d.set_item("promotions_failed", s.promotions_failed)?;
+        d.set_item("promotions_missing", s.promotions_missing)?;
         d.set_item("load_pins", s.load_pins)?;
         d.set_item("job_pins", s.job_pins)?;
         d.set_item("jobs_outstanding", s.jobs_outstanding)?;
@@ -926,6 +1023,9 @@ impl Manager {
             td.set_item("blocks_cascaded", t.blocks_cascaded)?;
             td.set_item("evictions", t.evictions)?;
             td.set_item("jobs_failed", t.jobs_failed)?;
+            td.set_item("read_failures", t.read_failures)?;
+            td.set_item("read_missing", t.read_missing)?;
+            td.set_item("probes", t.probes)?;
             td.set_item("health", format!("{health:?}"))?;
             tiers.append(td)?;
         }

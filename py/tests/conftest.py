@@ -51,3 +51,47 @@ def region_dir(tmp_path):
         d.rmdir()
     else:
         yield tmp_path
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A redis-server of its own on a free loopback port (``scripts/redis-setup.sh`` installs
+    it); without one the test is skipped loudly, except under ``CI=true``, where it fails."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("redis-server is not installed (scripts/redis-setup.sh installs it)")
+        pytest.skip("SKIPPED: redis-server is not installed (scripts/redis-setup.sh)")
+    for _ in range(5):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(tmp_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                time.sleep(0.02)
+        if proc.poll() is None:
+            break
+        # Another process took the port between the probe and the start: try another.
+    else:
+        pytest.fail("redis-server did not start")
+    try:
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -6,9 +6,12 @@ handler on host buffers, so every block served is checked byte for byte.
 
 from __future__ import annotations
 
+import re
+import socket
 import time
 
 import numpy as np
+import pytest
 
 import kvtier.vllm as kv
 from vllm.v1.kv_offload import base
@@ -20,17 +23,18 @@ END = base.ScheduleEndContext(new_req_ids=[], preempted_req_ids=[])
 
 
 class Node:
-    """A manager with one file tier, and one rank's handler."""
+    """A manager with one secondary tier (a file tier unless told), and one rank's handler."""
 
-    def __init__(self, region_dir, tier_dir, caches, *, slots=4, tier_blocks=64, policy="lru"):
+    def __init__(self, region_dir, tier_dir, caches, *, slots=4, tier_blocks=64, policy="lru",
+                 tier=None, region="region"):
+        if tier is None:
+            tier = {"type": "file", "path": str(tier_dir)}
         self.settings = kv.Settings(
             num_blocks=slots,
-            region_path=str(region_dir / "region"),
+            region_path=str(region_dir / region),
             block_bytes_per_worker=PAGE,
             policy=policy,
-            tiers=(
-                {"type": "file", "path": str(tier_dir), "capacity_bytes": tier_blocks * PAGE},
-            ),
+            tiers=({**tier, "capacity_bytes": tier_blocks * PAGE},),
             identity="test/model",
         )
         self.manager = kv.KvtierOffloadingManager(self.settings, prefault_threads=1)
@@ -217,3 +221,64 @@ def test_a_corrupt_tier_block_is_not_served_and_the_warning_reaches_python(
         assert node.manager.stats()["load_pins"] == 0
     finally:
         node.close()
+
+
+def test_two_nodes_share_a_redis_tier(region_dir, tmp_path, redis_url):
+    """Node A's blocks cascade to a shared Redis tier; node B, with a primary of its own,
+    finds one by an existence probe, promotes it and serves the same bytes. A block the
+    server no longer holds (flushed) is a Miss, and the tier stays up."""
+    tier = {"type": "redis", "urls": [redis_url], "namespace": "pytest", "timeout_ms": 2000}
+    caches_a = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(5))
+    caches_b = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(6))
+    a = Node(region_dir, None, caches_a, tier=tier, region="a")
+    b = Node(region_dir, None, caches_b, tier=tier, region="b")
+    try:
+        keys = [f"shared-{i}".encode() for i in range(4)]
+        a.store(keys, [0, 1, 2, 3])
+        a.settle()
+        assert a.manager.stats()["tiers"][0]["blocks"] == 4
+        ctx = b.request()
+        result, seen = b.lookup_until_settled(keys[2], ctx)
+        assert result is kv.LookupResult.HIT and kv.LookupResult.HIT_PENDING in seen
+        caches_b.tensors[0].tensor[9] = 0
+        assert b.load([keys[2]], [9], ctx)
+        assert np.array_equal(copied(caches_b, 0, 9)[0], copied(caches_a, 0, 2)[0])
+        b.manager.on_request_finished(ctx)
+        # B's probe finds block 3 and B's index holds it; then the server lets it go (a
+        # flush here; its own eviction or an expiry alike). The promotion finds it missing:
+        # a Miss, nothing served, and no failure: the tier stays up.
+        ctx = b.request()
+        assert b.manager.lookup(keys[3], ctx) is kv.LookupResult.RETRY
+        b.manager.on_request_finished(ctx)
+        b.manager.on_schedule_end(END)
+        b.settle()
+        host, port = redis_url.removeprefix("redis://").split(":")
+        with socket.create_connection((host, int(port))) as c:
+            c.sendall(b"FLUSHALL\r\n")
+            assert c.recv(16).startswith(b"+OK")
+        ctx = b.request()
+        result, seen = b.lookup_until_settled(keys[3], ctx)
+        assert result is kv.LookupResult.MISS and kv.LookupResult.HIT_PENDING in seen
+        b.manager.on_request_finished(ctx)
+        stats = b.manager.stats()
+        tier_stats = stats["tiers"][0]
+        assert (tier_stats["read_missing"], tier_stats["read_failures"]) == (1, 0), stats
+        assert tier_stats["health"] == "Up", stats
+        assert stats["promotions_missing"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_redis_tier_setting_of_the_wrong_type_names_the_key(region_dir, redis_url):
+    caches = kv_caches([[(PAGE, PAGE)]], 4, np.random.default_rng(7))
+    for tier, key in [
+        ({"type": "redis", "urls": [redis_url], "path": "/tmp/x"}, "secondary_tiers[0].path"),
+        ({"type": "redis"}, "secondary_tiers[0].urls"),
+        ({"type": "redis", "urls": [redis_url], "timeout_ms": "soon"}, "secondary_tiers[0].timeout_ms"),
+        ({"type": "redis", "urls": [redis_url], "password_env": "KVTIER_TEST_UNSET_VARIABLE"},
+         "KVTIER_TEST_UNSET_VARIABLE"),
+        ({"type": "file", "path": "/tmp/x", "urls": [redis_url]}, "secondary_tiers[0].urls"),
+    ]:
+        with pytest.raises(kv.ConfigError, match=re.escape(key)):
+            Node(region_dir, None, caches, tier=tier)
