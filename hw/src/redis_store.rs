@@ -44,10 +44,10 @@
 //! connection, which loads the slot map anew; the commands that failed so take its replies.
 //! `ASK` (a slot being migrated) is not followed: those blocks fail until the migration ends.
 //!
-//! **Time.** The timeout bounds each wait for a server: a connect, the sending of a call's
-//! commands (until the socket takes bytes again), and each read of a reply. A call stops at
-//! the first wait that fails. Against a server that stops answering (a frozen process, a
-//! lost host), one call waits at most:
+//! **Time.** The timeout bounds each wait for a server: a connect, each write of a call's
+//! commands to a socket, and each read of a reply. A call stops at the first wait that
+//! fails. Against a server that stops answering (a frozen process, a lost host), one call
+//! whose commands fit in the socket buffers (a few MiB) waits at most:
 //!
 //! - single server: **3 × timeout**. A call on a pooled connection waits one timeout; one
 //!   that connects first, one more (the TCP connect and `AUTH` share it: the connection sends
@@ -64,7 +64,9 @@
 //!   is loaded, when its commands go to it): with one frozen master, up to **6 × timeout**
 //!   (9 with a password).
 //!
-//! The retry after a stale connection never follows a timeout. A slow node that keeps
+//! A larger batch can wait one timeout more for each write that the frozen server's kernel
+//! still takes part of (it fills its buffers before the socket stops): two more, measured
+//! with 24 MiB. The retry after a stale connection never follows a timeout. A slow node that keeps
 //! answering is not a failure: the bound is on each wait, not on the transfer. A healthy
 //! cluster must send the first reply to a batch of `n` commands within `timeout / n`: keep
 //! the timeout above `n` round trips for the largest batch (a job's blocks, a step's probes).
@@ -101,7 +103,7 @@ pub struct RedisOptions {
     /// What makes blocks interchangeable (model, KV layout, block size): hashed into every
     /// name, so another deployment's blocks are never read. Not empty.
     pub identity: String,
-    /// The bound on each wait for a server (a connect, sending a call, each read of its
+    /// The bound on each wait for a server (a connect, each write of a call, each read of its
     /// replies); see the module's notes for what one call can wait in all.
     pub timeout: Duration,
     /// Expiry of the values this node writes; `None` keeps them until the server evicts them.

@@ -149,7 +149,7 @@ pub struct FileTier {
     pub cluster: Option<bool>,
     /// Redis tier: the first part of every name (default "kvtier").
     pub namespace: Option<String>,
-    /// Redis tier: the bound on each wait for a server (a connect, sending a call, each read
+    /// Redis tier: the bound on each wait for a server (a connect, each write of a call, each read
     /// of its replies), in milliseconds (default 1000).
     pub timeout_ms: Option<u64>,
     /// Redis tier: expiry of the values this node writes, in seconds (default none).
