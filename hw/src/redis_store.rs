@@ -1053,6 +1053,45 @@ mod tests {
     }
 
     #[test]
+    fn redis_errors_say_whether_to_retry_and_whether_to_keep_the_connection() {
+        let server = |text: &str| {
+            reply(redis::parse_redis_value(text.as_bytes()).unwrap()).expect_err("an error")
+        };
+        let io = |kind| RedisError::from(std::io::Error::from(kind));
+        use std::io::ErrorKind as Io;
+        // One command's failure: no retry, the connection is kept.
+        let wrongtype = server("-WRONGTYPE Operation against a key holding the wrong kind\r\n");
+        let oom = server("-OOM command not allowed\r\n");
+        for e in [&wrongtype, &oom] {
+            assert!(!stale(e) && !broken(e), "{e}");
+        }
+        // A stale connection: run again on a fresh one.
+        let moved = server("-MOVED 3999 127.0.0.1:6381\r\n");
+        let ask = server("-ASK 3999 127.0.0.1:6381\r\n");
+        let readonly = server("-READONLY You can't write against a read only replica.\r\n");
+        for e in [
+            moved,
+            ask,
+            readonly,
+            io(Io::ConnectionReset),
+            io(Io::UnexpectedEof),
+        ] {
+            assert!(stale(&e) && broken(&e), "{e}");
+        }
+        // A server that does not answer: dropped, not retried.
+        for e in [io(Io::TimedOut), io(Io::WouldBlock)] {
+            assert!(!stale(&e) && broken(&e), "{e}");
+        }
+        assert!(refused_credentials(&server(
+            "-WRONGPASS invalid username-password pair\r\n"
+        )));
+        assert!(refused_credentials(&server(
+            "-NOAUTH Authentication required.\r\n"
+        )));
+        assert!(!refused_credentials(&wrongtype));
+    }
+
+    #[test]
     fn redact_hides_passwords_in_user_info_and_in_queries() {
         assert_eq!(redact("redis://u:secret@h:6379"), "redis://h:6379");
         assert_eq!(
