@@ -1,16 +1,21 @@
 //! The driver end to end over real parts: a shared region in a temporary directory, the host
 //! transfer engine, and a file tier on disk. Each test names the contract rule it checks.
 
+#[path = "support/rig.rs"]
+mod rig;
+
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
-use kvtier_core::{Config, Health, Key, Lookup, RequestId, TierConfig, TierKind};
+use kvtier_core::{Config, Health, Key, Lookup, RequestId};
 use kvtier_hw::{
-    Driver, DriverOptions, FaultHandle, Faults, FaultyStore, FileOptions, FileStore, HostEngine,
-    HostMemory, Layout, PAGE, Region, SecondaryStore,
+    DriverOptions, FaultHandle, Faults, FaultyStore, FileOptions, FileStore, HostEngine, Layout,
+    PAGE, Region, SecondaryStore,
 };
+use rig::{Rig, Shape, key, within};
 
 const SLOTS: u32 = 4;
 const BLOCK: usize = 2 * PAGE;
@@ -18,19 +23,7 @@ const DEVICE_BLOCKS: usize = 16;
 
 /// A block's content: every byte depends on the key and its position.
 fn content(key: &Key) -> Vec<u8> {
-    let seed = key.hash64();
-    (0..BLOCK)
-        .map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i / 64) as u8)
-        .collect()
-}
-
-fn key(i: u32) -> Key {
-    Key::new(format!("block-{i}").as_bytes())
-}
-
-struct Rig {
-    driver: Driver,
-    device: Arc<HostMemory>,
+    rig::content(key, BLOCK)
 }
 
 fn open_store(dir: &Path) -> Arc<FileStore> {
@@ -52,65 +45,25 @@ fn rig_with(
     options: DriverOptions,
     tune: impl FnOnce(&HostEngine, &mut Config),
 ) -> Rig {
-    let layout = Layout::new(SLOTS, 1, BLOCK).unwrap();
-    let region = Arc::new(Region::create(&dir.join("region"), layout, 2).expect("region"));
-    let device = Arc::new(HostMemory::new(DEVICE_BLOCKS * BLOCK).unwrap());
-    let engine = HostEngine::new(region.clone(), device.clone(), 0, 2);
-    let mut config = Config::new(SLOTS);
-    config.tiers = stores
-        .iter()
-        .map(|s| TierConfig::new(TierKind::Authoritative, s.capacity_blocks()))
-        .collect();
-    config.health.failures_to_down = 2;
-    config.health.probe_interval_steps = 3;
-    config.promotion_cooldown_steps = 4;
-    tune(&engine, &mut config);
-    let driver =
-        Driver::new(config, region, Box::new(engine), stores, options).expect("driver starts");
-    Rig { driver, device }
+    let shape = Shape {
+        slots: SLOTS,
+        block: BLOCK,
+        device_blocks: DEVICE_BLOCKS,
+        threads: 2,
+    };
+    Rig::new(dir, shape, stores, options, |engine, config| {
+        config.health.failures_to_down = 2;
+        config.health.probe_interval_steps = 3;
+        config.promotion_cooldown_steps = 4;
+        tune(engine, config);
+    })
 }
 
-impl Rig {
-    /// Computes `k` on the "GPU" at device block `at` and stores it; waits for the copy.
-    fn store(&mut self, k: &Key, at: usize) {
-        self.device.write(at * BLOCK, &content(k)).unwrap();
-        if let Some(t) = self
-            .driver
-            .store(RequestId(1), &[(k.clone(), at * BLOCK)])
-            .unwrap()
-        {
-            self.driver.wait(t).unwrap();
-        }
-    }
-
-    /// Looks `k` up step after step until the answer is neither HitPending nor Retry.
-    fn lookup(&mut self, k: &Key) -> Lookup {
-        for _ in 0..20 {
-            match self.driver.lookup(RequestId(2), k) {
-                Lookup::HitPending | Lookup::Retry => self.driver.settle(1),
-                other => return other,
-            }
-        }
-        panic!("{k} stayed HitPending or Retry for 20 steps");
-    }
-
-    /// Loads `k` into device block `at` and returns the bytes there.
-    fn load(&mut self, k: &Key, at: usize) -> Vec<u8> {
-        let t = self
-            .driver
-            .load(RequestId(2), &[(k.clone(), at * BLOCK)])
-            .unwrap();
-        self.driver.wait(t).unwrap();
-        let mut out = vec![0; BLOCK];
-        self.device.read(at * BLOCK, &mut out).unwrap();
-        out
-    }
-
-    fn fill(&mut self, n: u32) {
-        for i in 0..n {
-            self.store(&key(i), i as usize % 8);
-            self.driver.settle(2);
-        }
+/// Stores blocks 0..n, each at device block `i % 8`, a step after each.
+fn fill(r: &mut Rig, n: u32) {
+    for i in 0..n {
+        r.store(&key(i), i as usize % 8);
+        r.driver.settle(2);
     }
 }
 
@@ -120,7 +73,7 @@ impl Rig {
 fn promotion_from_the_file_tier_returns_the_stored_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let mut r = rig(dir.path(), open_store(&dir.path().join("tier")));
-    r.fill(8);
+    fill(&mut r, 8);
     let tier = r.driver.manager().tier(kvtier_core::TierId(0)).unwrap();
     assert_eq!(tier.len(), 8, "every block cascaded");
     assert!(
@@ -142,7 +95,7 @@ fn restart_finds_every_block_again() {
     let dir = tempfile::tempdir().unwrap();
     {
         let mut r = rig(dir.path(), open_store(&dir.path().join("tier")));
-        r.fill(8);
+        fill(&mut r, 8);
         let report = r.driver.shutdown();
         assert_eq!(report.abandoned, 0);
     }
@@ -172,7 +125,7 @@ fn a_corrupt_record_is_never_served() {
     let dir = tempfile::tempdir().unwrap();
     let store = open_store(&dir.path().join("tier"));
     let mut r = rig(dir.path(), store.clone());
-    r.fill(8);
+    fill(&mut r, 8);
     let at = store.record_offset(&key(1)).unwrap() + PAGE as u64 + 100;
     damage(dir.path(), at, &[0x5a]);
     assert_eq!(
@@ -198,7 +151,7 @@ fn torn_and_truncated_records_are_never_served() {
     let (torn, last) = {
         let store = open_store(&dir.path().join("tier"));
         let mut r = rig(dir.path(), store.clone());
-        r.fill(8);
+        fill(&mut r, 8);
         let torn = store.record_offset(&key(3)).unwrap();
         let last = store.record_offset(&key(7)).unwrap();
         drop(r);
@@ -245,7 +198,7 @@ fn a_full_disk_takes_the_tier_down_and_loses_nothing() {
         space_left: Some(0),
         ..Faults::default()
     });
-    r.fill(3);
+    fill(&mut r, 3);
     let stats = r.driver.manager().stats();
     assert!(
         matches!(stats.tiers[0].0, Health::Down { .. } | Health::Probing),
@@ -268,7 +221,7 @@ fn a_full_disk_takes_the_tier_down_and_loses_nothing() {
     let stats = r.driver.manager().stats();
     assert_eq!(stats.tiers[0].0, Health::Up, "the probe found room again");
     assert_eq!(stats.tiers[0].1.came_up, 1);
-    r.fill(8);
+    fill(&mut r, 8);
     // Blocks 0–2 were stored while the tier was Down: they stay primary-only (a cascade
     // happens once, at store time); 3–7 cascade normally.
     assert_eq!(
@@ -288,7 +241,7 @@ fn failed_reads_answer_miss_never_wrong_data() {
     let dir = tempfile::tempdir().unwrap();
     let (store, faults) = faulty(dir.path());
     let mut r = rig(dir.path(), store);
-    r.fill(8);
+    fill(&mut r, 8);
     faults.set(Faults {
         corrupt_gets: true,
         ..Faults::default()
@@ -468,7 +421,7 @@ fn shutdown_counts_cascades_started_while_it_waits() {
 /// nothing waits forever, and the tier serves again once the fault is gone.
 #[test]
 fn a_panicking_store_fails_its_jobs_and_the_tier_lives_on() {
-    within(60, || {
+    within(Duration::from_secs(60), || {
         let dir = tempfile::tempdir().unwrap();
         let (store, faults) = faulty(dir.path());
         // One IO thread and a tier that stays Up: every cascade panics on the same thread,
@@ -506,31 +459,11 @@ fn a_panicking_store_fails_its_jobs_and_the_tier_lives_on() {
     });
 }
 
-/// Runs `f`, failing the test if it takes more than `secs` seconds (a job that never ends
-/// would otherwise hang the test instead of failing it).
-fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let t = std::thread::spawn(move || {
-        f();
-        let _ = tx.send(());
-    });
-    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
-        Ok(()) => t.join().unwrap(),
-        // The closure panicked: report its panic.
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-            std::panic::resume_unwind(t.join().unwrap_err())
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("did not finish within {secs} s: a job never reported")
-        }
-    }
-}
-
 /// P9, P13: a copy thread that panics ends its transfer as failed: the store's Pending slot
 /// goes back, a load's pins are released, and the engine copies the next job.
 #[test]
 fn a_panicking_copy_fails_its_transfer() {
-    within(60, || {
+    within(Duration::from_secs(60), || {
         let dir = tempfile::tempdir().unwrap();
         let store = open_store(&dir.path().join("tier"));
         let mut r = rig_with(

@@ -26,18 +26,58 @@
 //! **Names.** A block is stored under `{namespace}:{identity}:{key in hex}`, where the
 //! identity is a hash of what makes blocks interchangeable (the model, its KV layout, the
 //! block size): two deployments that differ in any of them never read each other's blocks.
+//! A namespace may not contain `{` or `}`: in a cluster the part of a name between braces
+//! (its hash tag) picks the slot, and every block would land on one master.
 //!
-//! **Connections.** The `redis` crate does the protocol, cluster routing (slots, `MOVED`,
-//! `ASK`, failover) and pipelining. Connections are reused: each IO thread takes one from a
-//! pool and puts it back after a successful call; a connection that failed is dropped, and
-//! the next call connects again. Every connect, read and write is bounded by the configured
-//! timeout, so a server that stops answering fails the job instead of holding it.
+//! **Connections.** The `redis` crate does the protocol, cluster routing (slots, failover)
+//! and TLS (rustls). Each call is one pipeline (a job's `SET`s or `GET`s, a step's `EXISTS`),
+//! run on a connection taken from a pool. Replies are kept per command: a server error that
+//! concerns one command (another type of value under a block's name, say) fails that block
+//! alone, and the connection goes back to the pool. A connection that failed (an IO error, a
+//! timeout, a redirect) is dropped, and the next call connects anew.
+//!
+//! A pooled connection can be stale: its server closed it, or (a cluster) a failover moved
+//! slots after it loaded its slot map. The crate's sync cluster pipelines hand `MOVED` back
+//! as a reply instead of following it, so after a failover every pooled connection would
+//! fail one batch. A call that fails so on a pooled connection (a closed or refused
+//! connection, `MOVED`, `ASK`, `READONLY`; never a timeout) runs once more on a fresh
+//! connection, which loads the slot map anew; the commands that failed so take its replies.
+//! `ASK` (a slot being migrated) is not followed: those blocks fail until the migration ends.
+//!
+//! **Time.** The timeout bounds each wait for a server: a connect, each write of a call's
+//! commands to a socket, and each read of a reply. A call stops at the first wait that
+//! fails. Against a server that stops answering (a frozen process, a lost host), one call
+//! whose commands fit in the socket buffers (a few MiB) waits at most:
+//!
+//! - single server: **3 × timeout**. A call on a pooled connection waits one timeout; one
+//!   that connects first, one more (the TCP connect and `AUTH` share it: the connection sends
+//!   no other setup command). After a stale pooled connection the call runs once more on a
+//!   fresh one: one timeout for the stale attempt, two for the fresh one.
+//! - cluster, on a pooled connection: **2 × timeout**, sending and reading. The crate reads
+//!   every reply of a pipeline even after one timed out, so each read of a batch of `n`
+//!   commands is given `timeout / n` (at least 1 ms): the replies of a master that stopped
+//!   answering cost one timeout in all.
+//! - cluster, a call that connects (the pool is empty, or the retry after a stale
+//!   connection): connecting to a node that does not answer waits for the client's
+//!   handshake, two replies (three with a password) of one timeout each, and a call may try
+//!   such a node three times (as a seed URL tried before one that answers, when the slot map
+//!   is loaded, when its commands go to it): with one frozen master, up to **6 × timeout**
+//!   (9 with a password).
+//!
+//! A larger batch can wait one timeout more for each write that the frozen server's kernel
+//! still takes part of (it fills its buffers before the socket stops): two more, measured
+//! with 24 MiB. The retry after a stale connection never follows a timeout. A slow node that keeps
+//! answering is not a failure: the bound is on each wait, not on the transfer. A healthy
+//! cluster must send the first reply to a batch of `n` commands within `timeout / n`: keep
+//! the timeout above `n` round trips for the largest batch (a job's blocks, a step's probes).
 
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::sync::{Mutex, Once};
 use std::time::Duration;
 
 use kvtier_core::{Key, TierKind};
-use redis::{Cmd, ConnectionLike, FromRedisValue, RedisError};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::{Cmd, ErrorKind, RedisError, RetryMethod, TlsCertificates, Value};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::store::{SecondaryStore, StoreError};
@@ -57,12 +97,14 @@ pub struct RedisOptions {
     pub urls: Vec<String>,
     /// Whether the servers form a Redis Cluster.
     pub cluster: bool,
-    /// The first part of every name, shared by the nodes that share blocks.
+    /// The first part of every name, shared by the nodes that share blocks. Not empty, and
+    /// without `{` or `}` (a cluster would put every block in one slot).
     pub namespace: String,
     /// What makes blocks interchangeable (model, KV layout, block size): hashed into every
-    /// name, so another deployment's blocks are never read.
+    /// name, so another deployment's blocks are never read. Not empty.
     pub identity: String,
-    /// The bound on every connect, read and write.
+    /// The bound on each wait for a server (a connect, each write of a call, each read of its
+    /// replies); see the module's notes for what one call can wait in all.
     pub timeout: Duration,
     /// Expiry of the values this node writes; `None` keeps them until the server evicts them.
     pub ttl: Option<Duration>,
@@ -70,6 +112,12 @@ pub struct RedisOptions {
     pub username: Option<String>,
     /// The password, if any (never printed: `Debug` shows whether there is one).
     pub password: Option<String>,
+    /// Connect with TLS: `redis://` URLs are taken as `rediss://`. With `false`, a
+    /// `rediss://` URL is an error (the two settings contradict each other).
+    pub tls: bool,
+    /// A PEM file with the certificate(s) of the CA that signs the servers' certificates (a
+    /// private CA). `None`: the public roots compiled in (Mozilla's list). Needs `tls`.
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for RedisOptions {
@@ -86,6 +134,8 @@ impl std::fmt::Debug for RedisOptions {
             .field("ttl", &self.ttl)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "(set)"))
+            .field("tls", &self.tls)
+            .field("tls_ca_file", &self.tls_ca_file)
             .finish()
     }
 }
@@ -93,7 +143,8 @@ impl std::fmt::Debug for RedisOptions {
 impl RedisOptions {
     /// Reads the user name and password from the environment variables a configuration
     /// names (credentials never live in configuration files): `lookup` is the environment
-    /// (`|v| std::env::var(v).ok()`). A named variable that is not set is an error naming it.
+    /// (`|v| std::env::var(v).ok()`). A named variable that is not set is an error naming it
+    /// and what it was to hold.
     pub fn credentials_from(
         &mut self,
         username_env: Option<&str>,
@@ -114,6 +165,62 @@ impl RedisOptions {
         self.password = read(password_env, "password")?;
         Ok(())
     }
+
+    /// The URLs to connect to: with `tls`, `redis://` ones become `rediss://`; without it, a
+    /// `rediss://` one is an error, as is a unix socket with `tls`.
+    fn connect_urls(&self) -> Result<Vec<String>, StoreError> {
+        self.urls
+            .iter()
+            .map(|url| {
+                if let Some(rest) = url.strip_prefix("redis://").filter(|_| self.tls) {
+                    Ok(format!("rediss://{rest}"))
+                } else if url.starts_with("rediss://") && !self.tls {
+                    Err(StoreError::BadInput(format!(
+                        "Redis URL {} asks for TLS (rediss://) but tls = false: set tls = true, or use redis://",
+                        redact(url)
+                    )))
+                } else if self.tls && !url.starts_with("rediss://") {
+                    Err(StoreError::BadInput(format!(
+                        "tls = true, but Redis URL {} is not a TCP one (redis:// or rediss://)",
+                        redact(url)
+                    )))
+                } else {
+                    Ok(url.clone())
+                }
+            })
+            .collect()
+    }
+
+    /// The certificates of `tls_ca_file`, checked to be PEM certificates.
+    fn ca_certificates(&self) -> Result<Option<TlsCertificates>, StoreError> {
+        let Some(path) = &self.tls_ca_file else {
+            return Ok(None);
+        };
+        if !self.tls {
+            return Err(StoreError::BadInput(format!(
+                "tls_ca_file {} is set but tls = false: set tls = true (and rediss:// URLs)",
+                path.display()
+            )));
+        }
+        let pem = std::fs::read(path)
+            .map_err(|e| StoreError::BadInput(format!("tls_ca_file {}: {e}", path.display())))?;
+        use rustls::pki_types::{CertificateDer, pem::PemObject};
+        let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&pem).collect();
+        match certs {
+            Ok(certs) if !certs.is_empty() => Ok(Some(TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem),
+            })),
+            Ok(_) => Err(StoreError::BadInput(format!(
+                "tls_ca_file {}: no PEM certificate in it",
+                path.display()
+            ))),
+            Err(e) => Err(StoreError::BadInput(format!(
+                "tls_ca_file {}: not PEM certificates: {e}",
+                path.display()
+            ))),
+        }
+    }
 }
 
 impl Default for RedisOptions {
@@ -127,6 +234,8 @@ impl Default for RedisOptions {
             ttl: None,
             username: None,
             password: None,
+            tls: false,
+            tls_ca_file: None,
         }
     }
 }
@@ -143,41 +252,201 @@ enum Conn {
     Cluster(Box<redis::cluster::ClusterConnection>),
 }
 
-impl Conn {
-    /// Runs `cmds` as one pipeline (not a transaction): one answer per command.
-    fn pipeline<T: FromRedisValue>(&mut self, cmds: Vec<Cmd>) -> Result<Vec<T>, RedisError> {
+/// A call's commands, ready to run as one pipeline (not a transaction), as many times as
+/// needed (the retry after a stale connection runs them again).
+enum Batch {
+    /// For a single server: the commands packed once, and how many they are.
+    Packed(Vec<u8>, usize),
+    /// For a cluster: the client sends each command to its slot's master.
+    Cluster(redis::cluster::ClusterPipeline),
+}
+
+impl Batch {
+    fn len(&self) -> usize {
         match self {
-            Conn::Single(c) => {
-                let mut p = redis::pipe();
-                for cmd in cmds {
-                    p.add_command(cmd);
-                }
-                p.query(c)
-            }
-            Conn::Cluster(c) => {
-                let mut p = redis::cluster::cluster_pipe();
-                for cmd in cmds {
-                    p.add_command(cmd);
-                }
-                p.query(c)
-            }
+            Batch::Packed(_, n) => *n,
+            Batch::Cluster(p) => p.cmd_iter().count(),
+        }
+    }
+}
+
+/// A command's reply, or why it has none.
+type Reply = Result<Value, RedisError>;
+
+/// A server error in a reply is that command's failure.
+fn reply(value: Value) -> Reply {
+    match value {
+        Value::ServerError(e) => Err(e.into()),
+        v => Ok(v),
+    }
+}
+
+/// A failure that a stale pooled connection explains (the server closed it; a cluster's slot
+/// map is out of date after a failover), so a fresh connection may succeed. Never a
+/// timeout: a server that does not answer would not answer a fresh connection either.
+fn stale(e: &RedisError) -> bool {
+    !e.is_timeout()
+        && (e.is_connection_dropped()
+            || e.redirect_node().is_some()
+            || matches!(
+                e.retry_method(),
+                RetryMethod::RefreshSlotsAndRetry | RetryMethod::ReconnectFromInitialConnections
+            ))
+}
+
+/// Whether the connection that gave `e` must be dropped: anything but a server error that
+/// concerns one command (a stale connection's errors included).
+fn broken(e: &RedisError) -> bool {
+    stale(e) || !matches!(e.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
+}
+
+/// Whether the servers refused our credentials. The cluster client reports it inside an IO
+/// error ("failed to connect to each cluster node (…: authentication failed …)"), so the
+/// text is read too.
+fn refused_credentials(e: &RedisError) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    e.kind() == ErrorKind::AuthenticationFailed
+        || [
+            "authentication failed",
+            "noauth",
+            "wrongpass",
+            "invalid password",
+        ]
+        .iter()
+        .any(|t| text.contains(t))
+}
+
+/// Whether TLS failed on the server's certificate (an unknown CA, another host's name).
+fn refused_certificate(e: &RedisError) -> bool {
+    e.to_string().to_ascii_lowercase().contains("certificate")
+}
+
+impl Conn {
+    /// Runs `batch` (built for this kind of connection): one reply per command.
+    fn pipeline(&mut self, batch: &Batch, timeout: Duration) -> Vec<Reply> {
+        match (self, batch) {
+            (Conn::Single(c), Batch::Packed(bytes, n)) => single_pipeline(c, bytes, *n),
+            (Conn::Cluster(c), Batch::Cluster(p)) => cluster_pipeline(c, p, timeout),
+            _ => unreachable!("a batch is built for its store's kind of client"),
         }
     }
 
-    /// Runs one command.
-    fn query<T: FromRedisValue>(&mut self, cmd: &Cmd) -> Result<T, RedisError> {
+    /// Runs one command that names no key (`PING`): a cluster sends it to any node.
+    fn command(&mut self, cmd: &Cmd) -> Reply {
         match self {
             Conn::Single(c) => cmd.query(c),
-            Conn::Cluster(c) => cmd.query(c),
+            Conn::Cluster(c) => cmd.query(c.as_mut()),
         }
+        .and_then(reply)
     }
 
     fn is_open(&self) -> bool {
+        use redis::ConnectionLike;
         match self {
             Conn::Single(c) => c.is_open(),
             Conn::Cluster(c) => c.is_open(),
         }
     }
+}
+
+/// Sends `bytes` (`n` packed commands) and reads the `n` replies, each read bounded by the
+/// connection's read timeout; the first read or write that fails ends the call and fails the
+/// commands that have no reply yet (the crate's own pipeline would wait for each of them).
+fn single_pipeline(c: &mut redis::Connection, bytes: &[u8], n: usize) -> Vec<Reply> {
+    if let Err(e) = c.send_packed_command(bytes) {
+        return vec![Err(e); n];
+    }
+    let mut replies = Vec::with_capacity(n);
+    while replies.len() < n {
+        match c.recv_response() {
+            Ok(v) => replies.push(reply(v)),
+            Err(e) => replies.resize(n, Err(e)),
+        }
+    }
+    replies
+}
+
+/// `values` as one reply per command, if they are `n`.
+fn replies(values: Vec<Value>, n: usize) -> Vec<Reply> {
+    if values.len() == n {
+        return values.into_iter().map(reply).collect();
+    }
+    let e = RedisError::from((
+        ErrorKind::Client,
+        "wrong number of replies",
+        format!("{} replies to {n} commands", values.len()),
+    ));
+    vec![Err(e); n]
+}
+
+/// Runs a cluster pipeline: the client sends each command to its slot's master and reads
+/// the replies node by node.
+fn cluster_pipeline(
+    c: &mut redis::cluster::ClusterConnection,
+    p: &redis::cluster::ClusterPipeline,
+    timeout: Duration,
+) -> Vec<Reply> {
+    let n = p.cmd_iter().count();
+    // The crate waits for every reply, even after one timed out: give each read its share,
+    // so that a master that stopped answering costs one timeout in all.
+    let share = u32::try_from(n).unwrap_or(u32::MAX).max(1);
+    let per_read = (timeout / share).max(Duration::from_millis(1));
+    let e = match c
+        .set_read_timeout(Some(per_read))
+        .and_then(|()| p.query::<Vec<Value>>(c))
+    {
+        Ok(values) => return replies(values, n),
+        Err(e) => e,
+    };
+    // When a command got a server error, the crate returns the errors by index and drops
+    // every reply.
+    let Some(failed) = e
+        .clone()
+        .into_server_errors()
+        .filter(|f| f.iter().all(|(i, _)| *i < n))
+    else {
+        return vec![Err(e); n];
+    };
+    let failed: Vec<(usize, RedisError)> = failed
+        .iter()
+        .map(|(i, se)| (*i, RedisError::from(se.clone())))
+        .collect();
+    if let Some((_, redirect)) = failed.iter().find(|(_, e)| stale(e)) {
+        // The slot map is stale: every command is run again on a fresh connection.
+        return vec![Err(redirect.clone()); n];
+    }
+    // The other commands were answered, but their replies are lost: run them once more.
+    let mut out: Vec<Option<Reply>> = vec![None; n];
+    for (i, e) in failed {
+        out[i] = Some(Err(e));
+    }
+    let cmds: Vec<&Cmd> = p.cmd_iter().collect();
+    let rest: Vec<usize> = (0..n).filter(|&i| out[i].is_none()).collect();
+    if !rest.is_empty() {
+        let mut again = redis::cluster::cluster_pipe();
+        for &i in &rest {
+            again.add_command(cmds[i].clone());
+        }
+        let answers = match again.query::<Vec<Value>>(c) {
+            Ok(values) => replies(values, rest.len()),
+            Err(e) => vec![Err(e); rest.len()],
+        };
+        for (i, r) in rest.into_iter().zip(answers) {
+            out[i] = Some(r);
+        }
+    }
+    out.into_iter()
+        .map(|r| r.expect("every command has a reply"))
+        .collect()
+}
+
+/// Makes ring rustls's crypto provider, once per process (TLS connections need one).
+fn install_tls_provider() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // Err: another part of the process installed one first; it serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
 }
 
 /// A shared secondary tier on Redis or Redis Cluster.
@@ -206,14 +475,35 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// A URL without its user and password, for messages.
+/// A URL without its credentials, for messages: no `user:password@`, and no value of a
+/// `pass` or `password` query parameter (unix-socket URLs carry them there).
 fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let mut out = match (base.find("://"), base.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}{}", &url[..scheme + 3], &url[at + 1..])
+            format!("{}{}", &base[..scheme + 3], &base[at + 1..])
         }
-        _ => url.to_owned(),
+        _ => base.to_owned(),
+    };
+    if let Some(query) = query {
+        let params: Vec<String> = query
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((name, _))
+                    if ["pass", "password"].contains(&name.to_ascii_lowercase().as_str()) =>
+                {
+                    format!("{name}=(redacted)")
+                }
+                _ => p.to_owned(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&params.join("&"));
     }
+    out
 }
 
 impl RedisStore {
@@ -226,54 +516,76 @@ impl RedisStore {
         block_bytes: usize,
         capacity_bytes: u64,
     ) -> Result<Self, StoreError> {
+        let bad = |m: String| Err(StoreError::BadInput(m));
         if options.urls.is_empty() {
-            return Err(StoreError::BadInput(
-                "a Redis tier needs at least one URL".into(),
-            ));
+            return bad("a Redis tier needs at least one URL".into());
         }
         if options.timeout.is_zero() {
-            return Err(StoreError::BadInput(
-                "a Redis tier's timeout must be above zero".into(),
+            return bad("a Redis tier's timeout must be above zero".into());
+        }
+        if options.identity.is_empty() {
+            return bad(
+                "a Redis tier needs an identity (the model, its KV layout, the block size): \
+                 without one, deployments of other models would read each other's blocks"
+                    .into(),
+            );
+        }
+        if options.namespace.is_empty() {
+            return bad("a Redis tier's namespace must not be empty".into());
+        }
+        if options.namespace.contains(['{', '}']) {
+            return bad(format!(
+                "a Redis tier's namespace {:?} contains '{{' or '}}': in a cluster the part of a \
+                 name between braces picks its slot, so every block would land on one master",
+                options.namespace
             ));
         }
         if block_bytes == 0 {
-            return Err(StoreError::BadInput("blocks of zero bytes".into()));
+            return bad("blocks of zero bytes".into());
         }
         let capacity_blocks = u32::try_from(capacity_bytes / block_bytes as u64)
             .unwrap_or(u32::MAX)
             .min(u32::MAX - 1);
         if capacity_blocks == 0 {
-            return Err(StoreError::BadInput(format!(
+            return bad(format!(
                 "capacity {capacity_bytes} bytes holds no {block_bytes}-byte block"
-            )));
+            ));
+        }
+        let urls = options.connect_urls()?;
+        let certs = options.ca_certificates()?;
+        if options.tls {
+            install_tls_provider();
         }
         let (username, password) = (options.username.clone(), options.password.clone());
-        let server = redact(&options.urls[0]);
+        let server = redact(&urls[0]);
         let bad_url = |e: RedisError| StoreError::BadInput(format!("Redis URL {server}: {e}"));
         let client = if options.cluster {
-            let mut b = redis::cluster::ClusterClientBuilder::new(options.urls.clone())
+            let mut b = redis::cluster::ClusterClientBuilder::new(urls.clone())
                 .connection_timeout(options.timeout)
                 .response_timeout(options.timeout)
-                .retries(2)
-                .min_retry_wait(10)
-                .max_retry_wait(100);
+                // No retries inside the client: each would wait its own timeouts. A call is
+                // retried once, by `run`, after a stale pooled connection only.
+                .retries(0);
             if let Some(u) = username {
                 b = b.username(u);
             }
             if let Some(p) = password {
                 b = b.password(p);
             }
+            if let Some(c) = certs {
+                b = b.certs(c);
+            }
             Client::Cluster(b.build().map_err(bad_url)?)
         } else {
-            if options.urls.len() > 1 {
-                return Err(StoreError::BadInput(
+            if urls.len() > 1 {
+                return bad(
                     "several URLs are for a cluster: set cluster = true, or give one URL".into(),
-                ));
+                );
             }
-            let mut info =
-                redis::IntoConnectionInfo::into_connection_info(options.urls[0].as_str())
-                    .map_err(bad_url)?;
-            let mut redis_info = info.redis_settings().clone();
+            let mut info = redis::IntoConnectionInfo::into_connection_info(urls[0].as_str())
+                .map_err(bad_url)?;
+            // No `CLIENT SETINFO` at connect: two more replies to wait for.
+            let mut redis_info = info.redis_settings().clone().set_skip_set_lib_name();
             if let Some(u) = username {
                 redis_info = redis_info.set_username(u);
             }
@@ -281,7 +593,10 @@ impl RedisStore {
                 redis_info = redis_info.set_password(p);
             }
             info = info.set_redis_settings(redis_info);
-            Client::Single(redis::Client::open(info).map_err(bad_url)?)
+            Client::Single(match certs {
+                Some(c) => redis::Client::build_with_tls(info, c).map_err(bad_url)?,
+                None => redis::Client::open(info).map_err(bad_url)?,
+            })
         };
         let identity =
             xxhash_rust::xxh3::xxh3_64(format!("{}\0{block_bytes}", options.identity).as_bytes());
@@ -296,16 +611,30 @@ impl RedisStore {
             server,
         };
         // A server that cannot be reached now is a tier that starts Down-bound (its jobs fail
-        // and health probes bring it Up later); anything else (a wrong password, a refused
-        // command) is a setting to fix, so the open fails.
-        let ping = store.connect_raw().and_then(|mut conn| {
-            let pong: String = conn.query(&redis::cmd("PING"))?;
+        // and health probes bring it Up later); refused credentials, or anything else the
+        // server refuses, is a setting to fix, so the open fails.
+        let ping = store.connect().and_then(|mut conn| {
+            let pong = conn.command(&redis::cmd("PING"))?;
             Ok((conn, pong))
         });
         match ping {
             Ok((conn, pong)) => {
-                tracing::info!(server = %store.server, prefix = %store.prefix, reply = %pong, "redis tier open");
+                tracing::info!(server = %store.server, prefix = %store.prefix, reply = ?pong, "redis tier open");
                 store.put_back(conn);
+            }
+            Err(e) if refused_credentials(&e) => {
+                return Err(StoreError::Unavailable(format!(
+                    "redis {}: authentication failed; check the user name and the password \
+                     (the variables username_env and password_env name): {e}",
+                    store.server
+                )));
+            }
+            Err(e) if refused_certificate(&e) => {
+                return Err(StoreError::Unavailable(format!(
+                    "redis {}: TLS: the server's certificate is not trusted; set tls_ca_file \
+                     to the CA that signs it: {e}",
+                    store.server
+                )));
             }
             Err(e) if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() => {
                 tracing::warn!(server = %store.server, error = %e, "redis tier opened, but its server does not answer yet");
@@ -331,28 +660,33 @@ impl RedisStore {
         name
     }
 
-    fn connect_raw(&self) -> Result<Conn, RedisError> {
+    /// A new connection, with read and write timeouts on every socket it opens.
+    fn connect(&self) -> Result<Conn, RedisError> {
+        let t = Some(self.timeout);
         Ok(match &self.client {
             Client::Single(c) => {
                 let conn = c.get_connection_with_timeout(self.timeout)?;
-                conn.set_read_timeout(Some(self.timeout))?;
-                conn.set_write_timeout(Some(self.timeout))?;
+                conn.set_read_timeout(t)?;
+                conn.set_write_timeout(t)?;
                 Conn::Single(conn)
             }
-            Client::Cluster(c) => Conn::Cluster(Box::new(c.get_connection()?)),
+            Client::Cluster(c) => {
+                // A cluster connection starts with the response timeout on reads and no
+                // bound on writes; each node connection it opens later takes both from it.
+                let conn = c.get_connection()?;
+                conn.set_read_timeout(t)?;
+                conn.set_write_timeout(t)?;
+                Conn::Cluster(Box::new(conn))
+            }
         })
     }
 
-    fn connect(&self) -> Result<Conn, StoreError> {
-        self.connect_raw().map_err(|e| self.error(&e))
-    }
-
-    /// A connection from the pool, or a new one.
-    fn take(&self) -> Result<Conn, StoreError> {
+    /// A connection from the pool (`true`), or a new one (`false`).
+    fn take(&self) -> Result<(Conn, bool), RedisError> {
         let idle = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
         match idle {
-            Some(c) if c.is_open() => Ok(c),
-            _ => self.connect(),
+            Some(c) if c.is_open() => Ok((c, true)),
+            _ => Ok((self.connect()?, false)),
         }
     }
 
@@ -363,24 +697,109 @@ impl RedisStore {
             .push(conn);
     }
 
-    /// Runs `f` on a pooled connection; the connection goes back only if `f` succeeded (a
-    /// failed one may be half-read or dead).
-    fn with_conn<T>(
-        &self,
-        f: impl FnOnce(&mut Conn) -> Result<T, RedisError>,
-    ) -> Result<T, StoreError> {
-        let mut conn = self.take()?;
-        match f(&mut conn) {
-            Ok(v) => {
-                self.put_back(conn);
-                Ok(v)
+    /// `cmds` as a batch for this store's kind of client.
+    fn batch(&self, cmds: impl IntoIterator<Item = Cmd>) -> Batch {
+        match &self.client {
+            Client::Single(_) => {
+                let mut bytes = Vec::new();
+                let mut n = 0;
+                for cmd in cmds {
+                    cmd.write_packed_command(&mut bytes);
+                    n += 1;
+                }
+                Batch::Packed(bytes, n)
             }
-            Err(e) => Err(self.error(&e)),
+            Client::Cluster(_) => {
+                let mut p = redis::cluster::cluster_pipe();
+                for cmd in cmds {
+                    p.add_command(cmd);
+                }
+                Batch::Cluster(p)
+            }
         }
+    }
+
+    /// Runs `batch` on a pooled connection (retried once on a fresh one if the pooled one
+    /// was stale, see the module's notes): one reply per command. The connection goes back
+    /// to the pool unless it failed.
+    fn run(&self, batch: &Batch) -> Vec<Result<Value, StoreError>> {
+        let n = batch.len();
+        let (mut conn, pooled) = match self.take() {
+            Ok(c) => c,
+            Err(e) => return (0..n).map(|_| Err(self.error(&e))).collect(),
+        };
+        let mut replies = conn.pipeline(batch, self.timeout);
+        if pooled && replies.iter().any(|r| r.as_ref().is_err_and(stale)) {
+            match self.connect() {
+                Ok(fresh) => {
+                    conn = fresh;
+                    let again = conn.pipeline(batch, self.timeout);
+                    for (old, new) in replies.iter_mut().zip(again) {
+                        if old.as_ref().is_err_and(stale) {
+                            *old = new;
+                        }
+                    }
+                }
+                Err(e) => {
+                    for r in replies.iter_mut().filter(|r| r.as_ref().is_err_and(stale)) {
+                        *r = Err(e.clone());
+                    }
+                }
+            }
+        }
+        if !replies.iter().any(|r| r.as_ref().is_err_and(broken)) {
+            self.put_back(conn);
+        }
+        replies
+            .into_iter()
+            .map(|r| r.map_err(|e| self.error(&e)))
+            .collect()
+    }
+
+    /// Runs the commands that are `Ok` as one batch and reads each reply with `read` (given
+    /// the command's index); a command that is already an error keeps it. One result per
+    /// command, in order.
+    fn call<T>(
+        &self,
+        cmds: Vec<Result<Cmd, StoreError>>,
+        mut read: impl FnMut(usize, Value) -> Result<T, StoreError>,
+    ) -> Vec<Result<T, StoreError>> {
+        let mut results: Vec<Result<T, StoreError>> = Vec::with_capacity(cmds.len());
+        let mut sent = Vec::new();
+        let mut to_send = Vec::new();
+        for (i, cmd) in cmds.into_iter().enumerate() {
+            match cmd {
+                Ok(cmd) => {
+                    sent.push(i);
+                    to_send.push(cmd);
+                    // Replaced by the command's reply below.
+                    results.push(Err(StoreError::Unavailable(String::new())));
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        if sent.is_empty() {
+            return results;
+        }
+        let replies = self.run(&self.batch(to_send));
+        for (i, reply) in sent.into_iter().zip(replies) {
+            results[i] = reply.and_then(|v| read(i, v));
+        }
+        results
     }
 
     fn error(&self, e: &RedisError) -> StoreError {
         StoreError::Unavailable(format!("redis {}: {e}", self.server))
+    }
+
+    /// A reply that is not one the command can give.
+    fn unexpected(&self, command: &str, v: &Value) -> StoreError {
+        let mut text = format!("{v:?}");
+        text.truncate(80);
+        StoreError::Unavailable(format!(
+            "redis {}: unexpected reply to {command}: {text}",
+            self.server
+        ))
     }
 
     /// `SET name value [EX ttl]` for `key`'s block.
@@ -403,13 +822,41 @@ impl RedisStore {
         }
         Ok(())
     }
-}
 
-/// `n` failures with one message (a pipeline that failed as a whole fails each of its calls).
-fn all_failed<T>(n: usize, message: &str) -> Vec<Result<T, StoreError>> {
-    (0..n)
-        .map(|_| Err(StoreError::Unavailable(message.to_owned())))
-        .collect()
+    /// A cluster is healthy when every master says its state is `ok` (every slot served:
+    /// after a failover, once a replica took over). Asked over a fresh connection, which
+    /// loads the slot map anew: a pooled one may know a master that is gone.
+    fn check_cluster(&self) -> Result<(), StoreError> {
+        let mut conn = self.connect().map_err(|e| self.error(&e))?;
+        let Conn::Cluster(c) = &mut conn else {
+            unreachable!("a cluster store's connections are cluster connections")
+        };
+        let info = c
+            .route_command(
+                redis::cmd("CLUSTER").arg("INFO"),
+                RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
+            )
+            .map_err(|e| self.error(&e))?;
+        // One reply per master, by address.
+        let Value::Map(replies) = info else {
+            return Err(self.unexpected("CLUSTER INFO", &info));
+        };
+        for (node, text) in &replies {
+            let node: String = redis::from_redis_value_ref(node).unwrap_or_default();
+            let text: String = redis::from_redis_value_ref(text).unwrap_or_default();
+            if !text.lines().any(|l| l.trim() == "cluster_state:ok") {
+                return Err(StoreError::Unavailable(format!(
+                    "redis cluster {}: node {node} says cluster_state is not ok",
+                    self.server
+                )));
+            }
+        }
+        if replies.is_empty() {
+            return Err(self.unexpected("CLUSTER INFO", &Value::Map(replies)));
+        }
+        self.put_back(conn);
+        Ok(())
+    }
 }
 
 /// A value: the header, the key, the block.
@@ -482,69 +929,44 @@ impl SecondaryStore for RedisStore {
     }
 
     fn put(&self, key: &Key, block: &[u8]) -> Result<(), StoreError> {
-        self.check_block(key, block)?;
-        let cmd = self.set_cmd(key, block);
-        self.with_conn(|c| c.query::<()>(&cmd))
+        self.put_many(&[(key, block)])
+            .pop()
+            .expect("one result per block")
     }
 
     fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError> {
-        self.check_block(key, block)?;
-        let cmd = redis::cmd("GET").arg(self.name_of(key)).clone();
-        match self.with_conn(|c| c.query::<Option<Vec<u8>>>(&cmd))? {
-            Some(value) => decode(key, &value, block),
-            None => Err(StoreError::NotFound { key: key.clone() }),
-        }
+        self.get_many(&mut [(key, block)])
+            .pop()
+            .expect("one result per block")
     }
 
     fn put_many(&self, blocks: &[(&Key, &[u8])]) -> Vec<Result<(), StoreError>> {
-        let mut results: Vec<Result<(), StoreError>> =
-            blocks.iter().map(|(k, b)| self.check_block(k, b)).collect();
-        let cmds: Vec<Cmd> = blocks
+        let cmds = blocks
             .iter()
-            .zip(&results)
-            .filter(|(_, r)| r.is_ok())
-            .map(|((k, b), _)| self.set_cmd(k, b))
+            .map(|(k, b)| self.check_block(k, b).map(|()| self.set_cmd(k, b)))
             .collect();
-        if cmds.is_empty() {
-            return results;
-        }
-        if let Err(e) = self.with_conn(|c| c.pipeline::<redis::Value>(cmds)) {
-            let message = e.to_string();
-            for r in results.iter_mut().filter(|r| r.is_ok()) {
-                *r = Err(StoreError::Unavailable(message.clone()));
-            }
-        }
-        results
+        self.call(cmds, |_, v| match v {
+            Value::Okay => Ok(()),
+            v => Err(self.unexpected("SET", &v)),
+        })
     }
 
     fn get_many(&self, blocks: &mut [(&Key, &mut [u8])]) -> Vec<Result<(), StoreError>> {
-        let cmds: Vec<Cmd> = blocks
+        let cmds = blocks
             .iter()
-            .map(|(k, _)| redis::cmd("GET").arg(self.name_of(k)).clone())
+            .map(|(k, out)| {
+                self.check_block(k, out)
+                    .map(|()| redis::cmd("GET").arg(self.name_of(k)).clone())
+            })
             .collect();
-        match self.with_conn(|c| c.pipeline::<Option<Vec<u8>>>(cmds)) {
-            Ok(values) if values.len() == blocks.len() => blocks
-                .iter_mut()
-                .zip(values)
-                .map(|((k, out), value)| {
-                    self.check_block(k, out)?;
-                    match value {
-                        Some(v) => decode(k, &v, out),
-                        None => Err(StoreError::NotFound { key: (*k).clone() }),
-                    }
-                })
-                .collect(),
-            Ok(values) => all_failed(
-                blocks.len(),
-                &format!(
-                    "redis {}: {} answers to {} reads",
-                    self.server,
-                    values.len(),
-                    blocks.len()
-                ),
-            ),
-            Err(e) => all_failed(blocks.len(), &e.to_string()),
-        }
+        self.call(cmds, |i, v| {
+            let (k, out) = &mut blocks[i];
+            match v {
+                Value::BulkString(value) => decode(k, &value, out),
+                Value::Nil => Err(StoreError::NotFound { key: (*k).clone() }),
+                v => Err(self.unexpected("GET", &v)),
+            }
+        })
     }
 
     /// A shared store never deletes (T14): other nodes may be reading the block. The core
@@ -561,52 +983,213 @@ impl SecondaryStore for RedisStore {
     }
 
     fn contains_many(&self, keys: &[&Key]) -> Vec<Result<bool, StoreError>> {
-        if keys.is_empty() {
-            return Vec::new();
-        }
-        let cmds: Vec<Cmd> = keys
+        let cmds = keys
             .iter()
-            .map(|k| redis::cmd("EXISTS").arg(self.name_of(k)).clone())
+            .map(|k| Ok(redis::cmd("EXISTS").arg(self.name_of(k)).clone()))
             .collect();
-        match self.with_conn(|c| c.pipeline::<bool>(cmds)) {
-            Ok(found) if found.len() == keys.len() => found.into_iter().map(Ok).collect(),
-            Ok(found) => all_failed(
-                keys.len(),
-                &format!(
-                    "redis {}: {} answers to {} probes",
-                    self.server,
-                    found.len(),
-                    keys.len()
-                ),
-            ),
-            Err(e) => all_failed(keys.len(), &e.to_string()),
-        }
+        self.call(cmds, |_, v| match v {
+            Value::Int(n) => Ok(n > 0),
+            v => Err(self.unexpected("EXISTS", &v)),
+        })
     }
 
-    /// A single server answers `PING`; a cluster is healthy when it says its state is `ok`
-    /// (every slot served: after a failover, once a replica took over).
+    /// A single server answers `PING`; a cluster is healthy when every master says its state
+    /// is `ok`, asked over a fresh connection.
     fn check(&self) -> Result<(), StoreError> {
         match &self.client {
-            Client::Single(_) => {
-                self.with_conn(|c| c.query::<String>(&redis::cmd("PING")).map(drop))
-            }
-            Client::Cluster(_) => {
-                let info: String =
-                    self.with_conn(|c| c.query(&redis::cmd("CLUSTER").arg("INFO").clone()))?;
-                if info.lines().any(|l| l.trim() == "cluster_state:ok") {
-                    Ok(())
-                } else {
-                    Err(StoreError::Unavailable(format!(
-                        "redis cluster {}: cluster_state is not ok",
-                        self.server
-                    )))
-                }
-            }
+            Client::Single(_) => self
+                .call(vec![Ok(redis::cmd("PING"))], |_, _| Ok(()))
+                .pop()
+                .expect("one result per command"),
+            Client::Cluster(_) => self.check_cluster(),
         }
     }
 
     /// Nothing: a shared tier's blocks are found by probes, not by a listing at start.
     fn recovered(&self) -> Vec<Key> {
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options() -> RedisOptions {
+        RedisOptions {
+            identity: "redis_store unit tests".into(),
+            ..RedisOptions::default()
+        }
+    }
+
+    fn refusal(o: &RedisOptions) -> String {
+        match RedisStore::open(o, 4096, 1 << 20) {
+            Err(StoreError::BadInput(m)) => m,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_value_round_trips_and_any_change_is_refused() {
+        let key = Key::new(b"k");
+        let block = vec![7u8; 64];
+        let value = encode(&key, &block);
+        let mut out = vec![0u8; 64];
+        decode(&key, &value, &mut out).unwrap();
+        assert_eq!(out, block);
+        for at in [0, 8, 12, 16, 24, HEADER_BYTES, value.len() - 1] {
+            let mut bad = value.clone();
+            bad[at] ^= 1;
+            assert!(
+                matches!(
+                    decode(&key, &bad, &mut out),
+                    Err(StoreError::Corrupt { .. })
+                ),
+                "byte {at}"
+            );
+        }
+        let other = Key::new(b"j");
+        assert!(decode(&other, &value, &mut out).is_err(), "another key");
+    }
+
+    #[test]
+    fn redis_errors_say_whether_to_retry_and_whether_to_keep_the_connection() {
+        let server = |text: &str| {
+            reply(redis::parse_redis_value(text.as_bytes()).unwrap()).expect_err("an error")
+        };
+        let io = |kind| RedisError::from(std::io::Error::from(kind));
+        use std::io::ErrorKind as Io;
+        // One command's failure: no retry, the connection is kept.
+        let wrongtype = server("-WRONGTYPE Operation against a key holding the wrong kind\r\n");
+        let oom = server("-OOM command not allowed\r\n");
+        for e in [&wrongtype, &oom] {
+            assert!(!stale(e) && !broken(e), "{e}");
+        }
+        // A stale connection: run again on a fresh one.
+        let moved = server("-MOVED 3999 127.0.0.1:6381\r\n");
+        let ask = server("-ASK 3999 127.0.0.1:6381\r\n");
+        let readonly = server("-READONLY You can't write against a read only replica.\r\n");
+        for e in [
+            moved,
+            ask,
+            readonly,
+            io(Io::ConnectionReset),
+            io(Io::UnexpectedEof),
+        ] {
+            assert!(stale(&e) && broken(&e), "{e}");
+        }
+        // A server that does not answer: dropped, not retried.
+        for e in [io(Io::TimedOut), io(Io::WouldBlock)] {
+            assert!(!stale(&e) && broken(&e), "{e}");
+        }
+        assert!(refused_credentials(&server(
+            "-WRONGPASS invalid username-password pair\r\n"
+        )));
+        assert!(refused_credentials(&server(
+            "-NOAUTH Authentication required.\r\n"
+        )));
+        assert!(!refused_credentials(&wrongtype));
+    }
+
+    #[test]
+    fn redact_hides_passwords_in_user_info_and_in_queries() {
+        assert_eq!(redact("redis://u:secret@h:6379"), "redis://h:6379");
+        assert_eq!(
+            redact("redis+unix:///run/redis.sock?db=1&pass=secret"),
+            "redis+unix:///run/redis.sock?db=1&pass=(redacted)"
+        );
+        assert_eq!(
+            redact("unix:///run/redis.sock?password=secret&user=bob"),
+            "unix:///run/redis.sock?password=(redacted)&user=bob"
+        );
+        assert_eq!(redact("redis://h:6379/0"), "redis://h:6379/0");
+        let o = RedisOptions {
+            urls: vec!["unix:///s.sock?pass=secret".into()],
+            password: Some("secret".into()),
+            ..options()
+        };
+        assert!(!format!("{o:?}").contains("secret"), "{o:?}");
+    }
+
+    #[test]
+    fn redis_credentials_name_the_variable_that_is_not_set() {
+        let env = |v: &str| (v == "SET").then(|| "value".to_owned());
+        let mut o = options();
+        let e = o.credentials_from(Some("NO_USER"), None, env).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("NO_USER") && text.contains("user name"),
+            "{text}"
+        );
+        let e = o
+            .credentials_from(Some("SET"), Some("NO_PASS"), env)
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("NO_PASS") && text.contains("password"),
+            "{text}"
+        );
+        o.credentials_from(Some("SET"), Some("SET"), env).unwrap();
+        assert_eq!(
+            (o.username.as_deref(), o.password.as_deref()),
+            (Some("value"), Some("value"))
+        );
+    }
+
+    #[test]
+    fn a_redis_tier_refuses_an_empty_identity_and_braces_in_its_namespace() {
+        let o = RedisOptions {
+            identity: String::new(),
+            ..options()
+        };
+        assert!(refusal(&o).contains("identity"));
+        for ns in ["a{b", "}", "{tag}"] {
+            let o = RedisOptions {
+                namespace: ns.into(),
+                ..options()
+            };
+            let m = refusal(&o);
+            assert!(m.contains("slot"), "{ns}: {m}");
+        }
+        let o = RedisOptions {
+            namespace: String::new(),
+            ..options()
+        };
+        assert!(refusal(&o).contains("namespace"));
+    }
+
+    #[test]
+    fn redis_tls_settings_agree_with_the_urls() {
+        let mut o = RedisOptions {
+            urls: vec!["redis://a:1".into(), "rediss://b:2".into()],
+            tls: true,
+            ..options()
+        };
+        assert_eq!(o.connect_urls().unwrap(), ["rediss://a:1", "rediss://b:2"]);
+        o.tls = false;
+        let m = refusal(&o);
+        assert!(
+            m.contains("tls = false") && m.contains("rediss://b:2"),
+            "{m}"
+        );
+        let o = RedisOptions {
+            urls: vec!["unix:///s.sock".into()],
+            tls: true,
+            ..options()
+        };
+        assert!(refusal(&o).contains("tls = true"));
+        // A CA file needs TLS, must exist, and must hold PEM certificates.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ca.pem");
+        let mut o = RedisOptions {
+            tls_ca_file: Some(file.clone()),
+            ..options()
+        };
+        assert!(refusal(&o).contains("tls = false"));
+        o.tls = true;
+        assert!(refusal(&o).contains("tls_ca_file"));
+        std::fs::write(&file, "not a certificate").unwrap();
+        let m = refusal(&o);
+        assert!(m.contains("tls_ca_file") && m.contains("PEM"), "{m}");
     }
 }

@@ -284,7 +284,7 @@ fn parse_fsync(key: &str, name: &str) -> PyResult<FsyncPolicy> {
 
 /// The keys each tier type takes, beside `type`, `capacity_bytes` and `eviction_policy`.
 const FILE_KEYS: [&str; 2] = ["path", "fsync"];
-const REDIS_KEYS: [&str; 7] = [
+const REDIS_KEYS: [&str; 9] = [
     "urls",
     "cluster",
     "namespace",
@@ -292,6 +292,8 @@ const REDIS_KEYS: [&str; 7] = [
     "ttl_s",
     "username_env",
     "password_env",
+    "tls",
+    "tls_ca_file",
 ];
 
 fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
@@ -392,6 +394,10 @@ fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
             std::env::var(v).ok()
         })
         .map_err(|e| errors::config(&name("password_env"), e))?;
+        if let Some(tls) = value(get("tls")?, &name("tls"), "true or false")? {
+            o.tls = tls;
+        }
+        o.tls_ca_file = value(get("tls_ca_file")?, &name("tls_ca_file"), "a path")?;
         StoreSettings::Redis(o)
     };
     Ok(TierSettings {

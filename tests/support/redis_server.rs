@@ -1,10 +1,17 @@
 //! Real Redis servers for the tests: `redis-server` processes on free loopback ports, a single
-//! node or a cluster made with `redis-cli --cluster create`. Each server lives in its own
-//! temporary directory and is killed when dropped.
+//! node (optionally with TLS, its certificates made by a test CA) or a cluster made with
+//! `redis-cli --cluster create`. Each server lives in its own temporary directory and is
+//! killed when dropped.
+//!
+//! Tests run in parallel, so a port found free may be taken by another test's server before
+//! ours binds it. A server counts as started only when the process that answers on the port
+//! says its pid is our child's (`INFO server`); otherwise it is stopped and started again on
+//! another port.
 
 #![allow(dead_code)] // each test binary uses a part
 
 use std::net::TcpListener;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,15 +20,77 @@ pub(crate) struct Server {
     child: Child,
     port: u16,
     password: Option<String>,
+    /// With TLS: the CA that signed the server's certificate (for `redis-cli`).
+    tls_ca: Option<PathBuf>,
     _dir: tempfile::TempDir,
 }
 
-/// A port nobody listens on now (the server takes it right after).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
+/// Where a cluster node's bus listens: the port plus 10000.
+const BUS_OFFSET: u16 = 10000;
+
+/// A port nobody listens on now (the server takes it right after); with `bus`, its cluster
+/// bus port is free too.
+fn free_port(bus: bool) -> u16 {
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+        let port = l.local_addr().expect("a bound address").port();
+        if !bus {
+            return port;
+        }
+        let free_bus = port
+            .checked_add(BUS_OFFSET)
+            .is_some_and(|b| TcpListener::bind(("127.0.0.1", b)).is_ok());
+        if free_bus {
+            return port;
+        }
+    }
+}
+
+/// The files of a TLS server: a test CA, and a certificate it signed for 127.0.0.1.
+pub(crate) struct TlsFiles {
+    /// The CA's certificate (PEM): what a client trusts.
+    pub(crate) ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+impl TlsFiles {
+    /// Makes a CA and a server certificate for `127.0.0.1` and `localhost` in `dir`.
+    pub(crate) fn make(dir: &Path) -> TlsFiles {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+        };
+        let ca_key = KeyPair::generate().expect("a CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "kvtier test CA");
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_cert = ca.self_signed(&ca_key).expect("the CA certificate");
+        let issuer = Issuer::new(ca, ca_key);
+        let key = KeyPair::generate().expect("a server key");
+        let mut server =
+            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+                .expect("server parameters");
+        server
+            .distinguished_name
+            .push(DnType::CommonName, "kvtier test server");
+        let cert = server
+            .signed_by(&key, &issuer)
+            .expect("the server certificate");
+        let files = TlsFiles {
+            ca: dir.join("ca.pem"),
+            cert: dir.join("server.pem"),
+            key: dir.join("server.key"),
+        };
+        std::fs::write(&files.ca, ca_cert.pem()).unwrap();
+        std::fs::write(&files.cert, cert.pem()).unwrap();
+        std::fs::write(&files.key, key.serialize_pem()).unwrap();
+        files
+    }
 }
 
 fn program(name: &str) -> String {
@@ -42,17 +111,30 @@ fn program(name: &str) -> String {
 impl Server {
     /// A single server, with `extra` arguments (`--requirepass x`, `--maxmemory ...`).
     pub(crate) fn start(extra: &[&str]) -> Server {
-        let dir = tempfile::tempdir().expect("a directory for the server");
-        Self::start_in(dir, extra)
+        Self::launch(extra, None, false)
     }
 
-    fn start_in(mut dir: tempfile::TempDir, extra: &[&str]) -> Server {
+    /// A single server that speaks TLS only, with the certificates of `tls`.
+    pub(crate) fn start_tls(tls: &TlsFiles) -> Server {
+        Self::launch(&[], Some(tls), false)
+    }
+
+    /// A cluster node (its bus port, the port + 10000, is free too).
+    fn start_node(extra: &[&str]) -> Server {
+        Self::launch(extra, None, true)
+    }
+
+    fn launch(extra: &[&str], tls: Option<&TlsFiles>, bus: bool) -> Server {
         let server = program("redis-server");
-        for _ in 0..5 {
-            let port = free_port();
-            let mut args: Vec<String> = [
-                "--port",
-                &port.to_string(),
+        let password = extra
+            .iter()
+            .position(|a| *a == "--requirepass")
+            .map(|i| extra[i + 1].to_owned());
+        let mut last_log = String::new();
+        for _ in 0..10 {
+            let dir = tempfile::tempdir().expect("a directory for the server");
+            let port = free_port(bus).to_string();
+            let mut args: Vec<&str> = vec![
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -61,15 +143,22 @@ impl Server {
                 "no",
                 "--dir",
                 dir.path().to_str().expect("utf-8 path"),
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            args.extend(extra.iter().map(|s| s.to_string()));
-            let password = extra
-                .iter()
-                .position(|a| *a == "--requirepass")
-                .map(|i| extra[i + 1].to_owned());
+                "--logfile",
+                "server.log",
+            ];
+            let tls_paths;
+            match tls {
+                None => args.extend(["--port", &port]),
+                Some(t) => {
+                    tls_paths = [&t.cert, &t.key, &t.ca].map(|p| p.to_str().expect("utf-8 path"));
+                    args.extend(["--port", "0", "--tls-port", &port]);
+                    args.extend(["--tls-cert-file", tls_paths[0]]);
+                    args.extend(["--tls-key-file", tls_paths[1]]);
+                    args.extend(["--tls-ca-cert-file", tls_paths[2]]);
+                    args.extend(["--tls-auth-clients", "no"]);
+                }
+            }
+            args.extend(extra);
             let child = Command::new(&server)
                 .args(&args)
                 .stdout(Stdio::null())
@@ -78,29 +167,43 @@ impl Server {
                 .expect("redis-server starts");
             let mut s = Server {
                 child,
-                port,
-                password,
+                port: port.parse().expect("a port"),
+                password: password.clone(),
+                tls_ca: tls.map(|t| t.ca.clone()),
                 _dir: dir,
             };
             if s.wait_ready(Duration::from_secs(10)) {
                 return s;
             }
-            // The port was taken meanwhile: try another.
+            // The port was taken meanwhile (another test's server answers there), or the
+            // server did not start: try another port.
+            last_log = s.log();
             let _ = s.child.kill();
             let _ = s.child.wait();
-            dir = tempfile::tempdir().expect("a directory for the server");
         }
-        panic!("redis-server did not start on a free port in 5 tries");
+        panic!("redis-server did not start on a free port in 10 tries; its last log:\n{last_log}");
     }
 
+    /// The server's log so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("server.log")).unwrap_or_default()
+    }
+
+    /// Waits until our child answers on the port: a reply from another process (which took
+    /// the port first) does not count.
     fn wait_ready(&mut self, within: Duration) -> bool {
         let start = Instant::now();
+        let pid = format!("process_id:{}", self.child.id());
         while start.elapsed() < within {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return false;
             }
-            if self.cli(&["PING"]).stdout.starts_with(b"PONG") {
+            let info = String::from_utf8_lossy(&self.cli(&["INFO", "server"]).stdout).into_owned();
+            if info.lines().any(|l| l.trim() == pid) {
                 return true;
+            }
+            if info.contains("process_id:") {
+                return false; // another server has the port
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -112,30 +215,56 @@ impl Server {
         self.port
     }
 
-    /// `redis://127.0.0.1:port`.
+    /// `redis://127.0.0.1:port` (`rediss://` for a TLS server).
     pub(crate) fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
-    /// Runs `redis-cli` against this server (raw output, no retries).
-    pub(crate) fn cli(&self, args: &[&str]) -> Output {
+    /// `redis-cli` for this server: its port, password and TLS settings.
+    fn redis_cli(&self) -> Command {
         let mut c = Command::new("redis-cli");
         c.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
         if let Some(p) = &self.password {
             c.args(["--no-auth-warning", "-a", p]);
         }
-        c.args(args).output().expect("redis-cli runs")
+        if let Some(ca) = &self.tls_ca {
+            c.arg("--tls").arg("--cacert").arg(ca);
+        }
+        c
+    }
+
+    /// Runs `redis-cli` against this server (raw output, no retries).
+    pub(crate) fn cli(&self, args: &[&str]) -> Output {
+        self.redis_cli()
+            .args(args)
+            .output()
+            .expect("redis-cli runs")
+    }
+
+    /// An integer field of `INFO` (`total_connections_received`, `evicted_keys`, ...).
+    pub(crate) fn info_number(&self, field: &str) -> u64 {
+        let info = String::from_utf8_lossy(&self.cli(&["INFO"]).stdout).into_owned();
+        info.lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix(field)?
+                    .strip_prefix(':')?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no {field} in INFO: {info}"))
     }
 
     /// Sets `name` to `value`, bytes as they are (`redis-cli -x` reads the value from stdin).
     pub(crate) fn set_raw(&self, name: &str, value: &[u8]) {
         use std::io::Write;
-        let mut c = Command::new("redis-cli");
-        c.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
-        if let Some(p) = &self.password {
-            c.args(["--no-auth-warning", "-a", p]);
-        }
-        let mut child = c
+        let mut child = self
+            .redis_cli()
             .args(["-x", "SET", name])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -164,6 +293,13 @@ impl Server {
     /// Lets a frozen server go on (SIGCONT).
     pub(crate) fn thaw(&self) {
         signal(self.child.id(), "CONT");
+    }
+
+    /// Waits until a replica has every write made so far (`WAIT 1`), so that a failover
+    /// loses none of them.
+    pub(crate) fn wait_replicated(&self) {
+        let out = self.cli(&["WAIT", "1", "10000"]);
+        assert!(out.stdout.starts_with(b"1"), "WAIT: {out:?}");
     }
 
     /// Kills the server at once (SIGKILL), as a crashed machine would.
@@ -208,23 +344,32 @@ impl Cluster {
     /// Starts the nodes and joins them with `redis-cli --cluster create`; waits until every
     /// node says the cluster is ok. Failover is fast: a node is failed after 1 s unreachable.
     pub(crate) fn start(masters: usize) -> Cluster {
+        Self::start_with(masters, &[])
+    }
+
+    /// A cluster whose nodes run with `extra` arguments too; with `--requirepass p`, add
+    /// `--masterauth p` so that replicas can sync.
+    pub(crate) fn start_with(masters: usize, extra: &[&str]) -> Cluster {
+        let mut args = vec![
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+        ];
+        args.extend(extra);
         let nodes: Vec<Server> = (0..masters * 2)
-            .map(|_| {
-                Server::start(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "1000",
-                ])
-            })
+            .map(|_| Server::start_node(&args))
             .collect();
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let mut create = Command::new(program("redis-cli"));
+        if let Some(p) = &nodes[0].password {
+            create.args(["--no-auth-warning", "-a", p]);
+        }
         create.arg("--cluster").arg("create").args(&addrs);
         create.args(["--cluster-replicas", "1", "--cluster-yes"]);
         let out = create.output().expect("redis-cli --cluster create runs");

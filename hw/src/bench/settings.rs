@@ -149,7 +149,8 @@ pub struct FileTier {
     pub cluster: Option<bool>,
     /// Redis tier: the first part of every name (default "kvtier").
     pub namespace: Option<String>,
-    /// Redis tier: the bound on every connect, read and write, in milliseconds (default 1000).
+    /// Redis tier: the bound on each wait for a server (a connect, each write of a call, each read
+    /// of its replies), in milliseconds (default 1000).
     pub timeout_ms: Option<u64>,
     /// Redis tier: expiry of the values this node writes, in seconds (default none).
     pub ttl_s: Option<u64>,
@@ -157,6 +158,12 @@ pub struct FileTier {
     pub username_env: Option<String>,
     /// Redis tier: the environment variable holding the password.
     pub password_env: Option<String>,
+    /// Redis tier: connect with TLS (`redis://` URLs are taken as `rediss://`); default: what
+    /// the URLs say. `false` with a `rediss://` URL is an error.
+    pub tls: Option<bool>,
+    /// Redis tier: a PEM file with the CA certificate(s) that sign the servers' certificates
+    /// (a private CA); needs TLS.
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 impl FileTier {
@@ -175,6 +182,8 @@ impl FileTier {
             ("ttl_s", self.ttl_s.is_some()),
             ("username_env", self.username_env.is_some()),
             ("password_env", self.password_env.is_some()),
+            ("tls", self.tls.is_some()),
+            ("tls_ca_file", self.tls_ca_file.is_some()),
         ];
         let file_keys = [
             ("path", self.path.is_some()),
@@ -231,12 +240,37 @@ impl FileTier {
                     }
                     o.ttl = Some(std::time::Duration::from_secs(s));
                 }
+                let any_tls_url = o.urls.iter().any(|u| u.starts_with("rediss://"));
+                o.tls = self.tls.unwrap_or(any_tls_url);
+                if !o.tls && any_tls_url {
+                    return Err(format!(
+                        "{}: false, but a URL is rediss:// (TLS): set tls = true, or use redis:// URLs",
+                        field("tls")
+                    ));
+                }
+                if let Some(ca) = &self.tls_ca_file {
+                    if !o.tls {
+                        return Err(format!(
+                            "{}: a CA for TLS, but the tier does not use TLS: set tls = true",
+                            field("tls_ca_file")
+                        ));
+                    }
+                    o.tls_ca_file = Some(ca.clone());
+                }
+                // A variable that is not set is reported under the key that names it.
+                let unset =
+                    |var: &Option<String>| var.as_deref().is_some_and(|v| lookup(v).is_none());
+                let key = if unset(&self.username_env) {
+                    "username_env"
+                } else {
+                    "password_env"
+                };
                 o.credentials_from(
                     self.username_env.as_deref(),
                     self.password_env.as_deref(),
                     lookup,
                 )
-                .map_err(|e| format!("{}: {e}", field("password_env")))?;
+                .map_err(|e| format!("{}: {e}", field(key)))?;
                 TierSettings::redis(o, self.capacity_bytes)
             }
             other => {
@@ -472,9 +506,55 @@ password_env = "KVTIER_SETTINGS_TEST_PASSWORD"
         assert_eq!(o.ttl, Some(std::time::Duration::from_secs(3600)));
         assert_eq!(o.password.as_deref(), Some("pw"));
         assert_eq!(t.capacity_bytes, 1 << 30);
-        // The variable is named, not set: an error naming it.
+        // The variable is named, not set: an error naming it, under its key.
         let err = tier.settings(&field, &|_| None).unwrap_err();
         assert!(err.contains("KVTIER_SETTINGS_TEST_PASSWORD"), "{err}");
+        assert!(err.contains("secondary_tiers[0].password_env"), "{err}");
+        let with_user = FileTier {
+            username_env: Some("KVTIER_SETTINGS_TEST_USER".into()),
+            ..tier.clone()
+        };
+        let err = with_user.settings(&field, &env).unwrap_err();
+        assert!(
+            err.contains("secondary_tiers[0].username_env")
+                && err.contains("KVTIER_SETTINGS_TEST_USER")
+                && err.contains("user name"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_redis_tier_takes_tls_from_its_key_or_its_urls() {
+        let field = |k: &str| format!("secondary_tiers[0].{k}");
+        let tier = |extra: &str, url: &str| {
+            let text = format!(
+                "[[secondary_tiers]]\ntype = \"redis\"\ncapacity_bytes = 1\nurls = [\"{url}\"]\n{extra}"
+            );
+            let f = FileSettings::parse(&text, Path::new("c.toml")).unwrap();
+            f.secondary_tiers.unwrap().remove(0)
+        };
+        let none = |_: &str| None;
+        let redis = |t: &TierSettings| t.redis.clone().expect("a redis tier");
+        let t = tier("", "rediss://h:1").settings(&field, &none).unwrap();
+        assert!(redis(&t).tls, "a rediss:// URL means TLS");
+        let t = tier("tls = true\ntls_ca_file = \"/etc/ca.pem\"", "redis://h:1")
+            .settings(&field, &none)
+            .unwrap();
+        assert!(redis(&t).tls);
+        assert_eq!(
+            redis(&t).tls_ca_file.as_deref(),
+            Some(Path::new("/etc/ca.pem"))
+        );
+        let t = tier("", "redis://h:1").settings(&field, &none).unwrap();
+        assert!(!redis(&t).tls);
+        let err = tier("tls = false", "rediss://h:1")
+            .settings(&field, &none)
+            .unwrap_err();
+        assert!(err.contains("secondary_tiers[0].tls:"), "{err}");
+        let err = tier("tls_ca_file = \"/etc/ca.pem\"", "redis://h:1")
+            .settings(&field, &none)
+            .unwrap_err();
+        assert!(err.contains("secondary_tiers[0].tls_ca_file"), "{err}");
     }
 
     #[test]

@@ -149,7 +149,7 @@ class Settings:
     ``"arc"``), ``store_threshold``, ``max_tracker_size``. kvtier's: ``secondary_tiers``
     (a list of ``{"type": "file", "path", "capacity_bytes", "eviction_policy"?, "fsync"?}`` or
     ``{"type": "redis", "urls", "capacity_bytes", "cluster"?, "namespace"?, "timeout_ms"?,
-    "ttl_s"?, "username_env"?, "password_env"?, "eviction_policy"?}``),
+    "ttl_s"?, "username_env"?, "password_env"?, "tls"?, "tls_ca_file"?, "eviction_policy"?}``),
     ``region_dir`` (``/dev/shm``), ``io_threads`` (4), ``shutdown_timeout_s`` (30),
     ``attach_timeout_s`` (60).
     """
