@@ -423,7 +423,7 @@ impl std::fmt::Display for NodesReport {
                 pct(s.pending_hits as f64 / s.blocks.max(1) as f64),
                 s.cross_node_hits,
                 pct(s.cross_node_share()),
-                s.promotions_failed + s.tier_failures,
+                s.tier_failures,
                 s.wrong_blocks,
                 s.wall_s
             )
