@@ -96,9 +96,7 @@ fn a_persistent_tier_warms_the_next_run() {
 #[test]
 fn hits_on_another_requests_store_are_not_promotions() {
     let dir = tempfile::tempdir().unwrap();
-    let r = Request {
-        blocks: (0..6).collect(),
-    };
+    let r = Request::new((0..6).collect());
     let report = bench::run(&small(dir.path()), &[r.clone(), r], &mut ()).unwrap();
     assert_eq!(report.promotions.started, 0, "{report}");
     assert_eq!(report.promoted_hits, 0, "{report}");

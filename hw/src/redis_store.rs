@@ -805,7 +805,7 @@ impl RedisStore {
     /// `SET name value [EX ttl]` for `key`'s block.
     fn set_cmd(&self, key: &Key, block: &[u8]) -> Cmd {
         let mut cmd = redis::cmd("SET");
-        cmd.arg(self.name_of(key)).arg(encode(key, block));
+        cmd.arg(self.name_of(key)).arg(Value { key, block });
         if let Some(ttl) = self.ttl_s {
             cmd.arg("EX").arg(ttl);
         }
@@ -859,18 +859,32 @@ impl RedisStore {
     }
 }
 
-/// A value: the header, the key, the block.
-pub(crate) fn encode(key: &Key, block: &[u8]) -> Vec<u8> {
-    let k = key.as_bytes();
-    let mut v = Vec::with_capacity(HEADER_BYTES + k.len() + block.len());
-    v.extend_from_slice(&MAGIC);
-    v.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    v.extend_from_slice(&(k.len() as u32).to_le_bytes());
-    v.extend_from_slice(&(block.len() as u64).to_le_bytes());
-    v.extend_from_slice(&checksum(k, block).to_le_bytes());
-    v.extend_from_slice(k);
-    v.extend_from_slice(block);
-    v
+/// A value as a command's argument: the header, the key and the block, written straight
+/// into the command's buffer (a value assembled apart first would be one more copy of the
+/// block, into freshly mapped memory).
+struct Value<'a> {
+    key: &'a Key,
+    block: &'a [u8],
+}
+
+impl redis::ToRedisArgs for Value<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use std::io::Write;
+        let k = self.key.as_bytes();
+        let mut header = [0u8; HEADER_BYTES];
+        header[..8].copy_from_slice(&MAGIC);
+        header[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        header[12..16].copy_from_slice(&(k.len() as u32).to_le_bytes());
+        header[16..24].copy_from_slice(&(self.block.len() as u64).to_le_bytes());
+        header[24..32].copy_from_slice(&checksum(k, self.block).to_le_bytes());
+        out.reserve_space_for_args([HEADER_BYTES + k.len() + self.block.len()]);
+        let mut w = out.writer_for_next_arg();
+        // Writes into memory: they cannot fail.
+        for part in [&header[..], k, self.block] {
+            w.write_all(part)
+                .expect("a write into the command's buffer");
+        }
+    }
 }
 
 /// XXH3-64 of a key and its block.

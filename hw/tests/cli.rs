@@ -1,6 +1,11 @@
 //! `kvtier bench` as a user runs it, as a process: signals stop it cleanly, a killed run's
 //! leftovers are swept by the next one, options size a run and override the file, and bad
-//! input is a clear error before anything is created.
+//! input is a clear error before anything is created. `--nodes N`: N processes sharing a real
+//! Redis server (started by the test on loopback) find each other's blocks, serve no wrong
+//! data, and end together.
+
+#[path = "support/redis.rs"]
+mod redis_server;
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -8,6 +13,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kvtier_hw::bench::TEMP_TIER_PREFIX;
+use redis_server::RedisServer;
 
 const SIGINT: i32 = 2;
 const SIGTERM: i32 = 15;
@@ -444,4 +450,170 @@ fn a_trace_limited_by_requests_replays_its_first_requests() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("requests        4 "), "{stdout}");
+}
+
+const BLOCK: u64 = 16 << 10;
+
+/// A configuration: a small primary, a file tier (at `tier`, or temporary), the shared Redis
+/// tier at `redis`.
+fn config(dir: &Path, tier: Option<&Path>, redis: Option<&str>) -> String {
+    let mut text = format!(
+        "cpu_bytes_to_use = {}\nblock_size = 32\nbytes_per_token = 512\n\
+         [[secondary_tiers]]\ntype = \"file\"\ncapacity_bytes = {}\n",
+        512 * BLOCK,
+        1024 * 2 * BLOCK
+    );
+    if let Some(path) = tier {
+        text += &format!("path = {:?}\n", path.to_str().unwrap());
+    }
+    if let Some(url) = redis {
+        text += &format!(
+            "[[secondary_tiers]]\ntype = \"redis\"\nurls = [\"{url}\"]\nnamespace = \"nodes-test\"\ncapacity_bytes = {}\n",
+            4096 * BLOCK
+        );
+    }
+    let path = dir.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// A Mooncake-format trace in which every document (a shared prefix of 8 blocks) is read by
+/// one conversation early and by another conversation later, dealt to the other node:
+/// conversations go round-robin by first appearance, and one filler conversation between the
+/// two rounds shifts the second round's by one node. Each conversation has three turns, each
+/// resending the conversation so far and adding two blocks. Block ids are prefix hashes:
+/// documents, then conversations, in ranges of their own.
+fn trace(dir: &Path, documents: u64) -> (String, usize) {
+    let mut lines = Vec::new();
+    let mut conversation = 0u64;
+    let mut add = |lines: &mut Vec<String>, doc: Option<u64>| {
+        let prefix: Vec<u64> = match doc {
+            Some(d) => (0..8).map(|i| d * 100 + i).collect(),
+            None => vec![],
+        };
+        let own = 1_000_000 + conversation * 100;
+        conversation += 1;
+        for turn in 1..=3u64 {
+            let ids: Vec<String> = prefix
+                .iter()
+                .copied()
+                .chain(own..own + 2 * turn)
+                .map(|b| b.to_string())
+                .collect();
+            lines.push(format!(
+                "{{\"timestamp\": 0, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": [{}]}}",
+                ids.len() * 512,
+                ids.join(", ")
+            ));
+        }
+    };
+    for d in 0..documents {
+        add(&mut lines, Some(d));
+    }
+    add(&mut lines, None);
+    for d in 0..documents {
+        add(&mut lines, Some(d));
+    }
+    let path = dir.join("trace.jsonl");
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    (path.to_str().unwrap().to_owned(), lines.len())
+}
+
+#[test]
+fn two_nodes_find_each_others_blocks_in_the_shared_tier() {
+    let server = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let tier = dir.path().join("tier");
+    let config = config(dir.path(), Some(&tier), Some(&server.url()));
+    let (trace, requests) = trace(dir.path(), 40);
+    let out = kvtier(
+        dir.path(),
+        &[
+            "--config", &config, "--trace", &trace, "--nodes", "2", "--json",
+        ],
+    )
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}\n{stderr}\n{stdout}", out.status);
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("a JSON report");
+    let total = &report["total"];
+    assert_eq!(
+        total["wrong_blocks"], 0,
+        "★1: nothing wrong served: {stdout}"
+    );
+    assert!(
+        total["cross_node_hits"].as_u64().unwrap() > 0,
+        "a node promoted a block the other stored: {stdout}"
+    );
+    assert_eq!(total["requests"], requests as u64, "{stdout}");
+    let nodes = report["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 2);
+    for (i, n) in nodes.iter().enumerate() {
+        assert!(n["requests"].as_u64().unwrap() > 0, "node {i}: {stdout}");
+        assert_eq!(n["promotions_failed"], 0, "node {i}: {stdout}");
+    }
+    // Each node's own report, whole, with its region and tiers of its own.
+    assert_eq!(report["reports"].as_array().unwrap().len(), 2);
+    let sum: u64 = nodes
+        .iter()
+        .map(|n| n["cross_node_hits"].as_u64().unwrap())
+        .sum();
+    assert_eq!(sum, total["cross_node_hits"].as_u64().unwrap());
+    assert_clean(dir.path(), "after two nodes");
+    for node in ["node-0", "node-1"] {
+        let data = tier.join(node).join(kvtier_hw::DATA_FILE);
+        assert!(data.exists(), "each node has its own file tier: {data:?}");
+    }
+    let names: u64 = redis::cmd("DBSIZE").query(&mut server.connect()).unwrap();
+    assert!(
+        names > 0,
+        "the nodes stored their blocks in the shared tier"
+    );
+}
+
+#[test]
+fn several_nodes_without_a_shared_tier_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), None, None);
+    let args = ["--config", &config, "--nodes", "2"];
+    fails_with(dir.path(), &args, "nodes (--nodes 2)");
+    fails_with(dir.path(), &args, "type = \"redis\"");
+    fails_with(
+        dir.path(),
+        &["--nodes", "0"],
+        "nodes (--nodes): must be 1 to 64",
+    );
+}
+
+/// Ctrl-C (SIGINT to the parent; the nodes are in process groups of their own, so only the
+/// parent hears it) stops every node: each ends its jobs and removes its region and tier.
+#[test]
+fn an_interrupt_stops_every_node_and_leaves_nothing() {
+    let server = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), None, Some(&server.url()));
+    let mut child = kvtier(
+        dir.path(),
+        &["--config", &config, "--nodes", "2", "--requests", "200000"],
+    )
+    .spawn()
+    .unwrap();
+    let start = Instant::now();
+    while entries(&dir.path().join("shm")).len() < 2 {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the nodes never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(&child, SIGINT);
+    let out = finish(child);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + SIGINT), "{stderr}");
+    assert!(stderr.contains("node 0: kvtier: interrupted"), "{stderr}");
+    assert!(stderr.contains("node 1: kvtier: interrupted"), "{stderr}");
+    assert_clean(dir.path(), "after an interrupt");
 }

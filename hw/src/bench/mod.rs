@@ -1,8 +1,10 @@
 //! `kvtier bench`: replays a workload end to end through the driver (a shared region, the
 //! host transfer engine, file tiers) and reports hit ratios against Belady's optimum, IO
-//! bandwidth and latency per path.
+//! bandwidth and latency per path; with `--nodes N`, across N processes sharing a tier
+//! ([`run_nodes`]).
 
 mod belady;
+mod nodes;
 mod run;
 mod settings;
 mod temp;
@@ -11,6 +13,10 @@ mod workload;
 use std::path::PathBuf;
 
 pub use belady::optimal_hits;
+pub use nodes::{
+    MAX_NODES, NodeProgress, NodeSummary, NodesReport, PARENT_ENV, Tracked, conversations,
+    follow_parent, node_share, nodes_of, run_nodes, send_report,
+};
 pub use run::{Progress, Promotions, Report, TierReport, run};
 pub use settings::{
     BenchSettings, FileSettings, FileTier, TierSettings, parse_bytes, parse_policy,
@@ -63,6 +69,16 @@ pub enum BenchError {
     /// Loaded blocks differed from what was stored: the run served wrong data.
     #[error("{0} loaded blocks differed from what was stored")]
     Wrong(u64),
+    /// A node of a run of several (`--nodes`) failed.
+    #[error("node {node} of {nodes} failed: {reason}")]
+    Node {
+        /// The node's index.
+        node: u32,
+        /// Nodes in the run.
+        nodes: u32,
+        /// How it ended.
+        reason: String,
+    },
     /// The hardware layer failed.
     #[error(transparent)]
     Hw(#[from] crate::HwError),

@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_core::{BlockState, Config, Key, Lookup, PolicyKind, RequestId, TierConfig};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::BenchError;
 use super::belady::optimal_hits;
+use super::nodes::Tracked;
 use super::settings::BenchSettings;
 use super::temp::{TempTier, sweep_temporary_tiers};
 use super::workload::Request;
@@ -27,6 +28,13 @@ pub trait Progress {
     /// region and temporary tiers, and answers [`BenchError::Interrupted`].
     fn stop_requested(&self) -> bool {
         false
+    }
+
+    /// A line for the person watching (a node's log line in a run of several nodes); by
+    /// default, to stderr.
+    fn log(&mut self, line: &str) {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr().lock(), "{line}");
     }
 }
 
@@ -93,6 +101,9 @@ pub struct Report {
     pub promoted_hits: u64,
     /// Blocks served after waiting for another request's store of them to end.
     pub pending_hits: u64,
+    /// Promoted hits on blocks this process read from a shared tier and never wrote there
+    /// itself: blocks another node (another process sharing the tier) stored.
+    pub cross_node_hits: u64,
     /// Hit ratio of the primary (primary hits / blocks).
     pub primary_hit_ratio: f64,
     /// Hit ratio of the secondary tiers (promoted hits / blocks).
@@ -128,7 +139,7 @@ pub struct Report {
 }
 
 /// What became of the promotions a run started.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Promotions {
     /// Promotions started.
     pub started: u64,
@@ -140,7 +151,7 @@ pub struct Promotions {
 
 /// Tokens per block in the trace format (Mooncake's 512): a block's end-token position is its
 /// index plus one, times this.
-const BLOCK_TOKENS: u64 = 512;
+const BLOCK_TOKENS: u64 = super::workload::TRACE_BLOCK_TOKENS;
 
 fn key(block: u64) -> Key {
     Key::new(&block.to_le_bytes())
@@ -284,6 +295,8 @@ pub fn run(
     )?);
     let mut temp_dirs = Vec::new();
     let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
+    // The shared tiers, which remember what this process wrote to them and read from them.
+    let mut shared: Vec<Arc<Tracked<RedisStore>>> = Vec::new();
     let mut opened = Vec::new();
     let mut config = Config::new(rows);
     config.policy = settings.policy;
@@ -302,7 +315,9 @@ pub fn run(
             let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
             tc.policy = t.policy;
             config.tiers.push(tc);
-            stores.push(Arc::new(store));
+            let store = Arc::new(Tracked::new(store));
+            shared.push(store.clone());
+            stores.push(store);
             continue;
         }
         let dir = match &t.path {
@@ -344,6 +359,7 @@ pub fn run(
     let mut active: Vec<Active> = Vec::new();
     let mut free_device: Vec<usize> = (0..settings.batch).rev().collect();
     let (mut primary_hits, mut promoted_hits, mut pending_hits) = (0u64, 0u64, 0u64);
+    let mut cross_node_hits = 0u64;
     let (mut gave_up, mut refused, mut wrong, mut done) = (0u64, 0u64, 0u64, 0u64);
     let mut block = vec![0u8; bb];
     let mut expect = vec![0u8; bb];
@@ -428,7 +444,11 @@ pub fn run(
             }
             for b in &blocks[..hits] {
                 match a.retried.get(b) {
-                    Some(true) => promoted_hits += 1,
+                    Some(true) => {
+                        promoted_hits += 1;
+                        let k = key(*b);
+                        cross_node_hits += u64::from(shared.iter().any(|s| s.read_foreign(&k)));
+                    }
                     Some(false) => pending_hits += 1,
                     None => primary_hits += 1,
                 }
@@ -528,6 +548,7 @@ pub fn run(
         primary_hits,
         promoted_hits,
         pending_hits,
+        cross_node_hits,
         primary_hit_ratio: primary_hits as f64 / n,
         secondary_hit_ratio: promoted_hits as f64 / n,
         pending_hit_ratio: pending_hits as f64 / n,
@@ -572,6 +593,15 @@ impl std::fmt::Display for Report {
             pct(self.secondary_hit_ratio),
             pct(self.pending_hit_ratio)
         )?;
+        if self.tiers.iter().any(|t| t.kind == "redis") {
+            let hits = self.primary_hits + self.promoted_hits + self.pending_hits;
+            writeln!(
+                f,
+                "cross-node      {} hits ({} of hits) promoted from blocks another node stored in the shared tier",
+                self.cross_node_hits,
+                pct(self.cross_node_hits as f64 / hits.max(1) as f64)
+            )?;
+        }
         writeln!(
             f,
             "optimum         {} with every tier's capacity, {} with the primary's alone (Belady, offline)",

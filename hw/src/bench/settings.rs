@@ -419,6 +419,57 @@ impl BenchSettings {
     }
 }
 
+impl BenchSettings {
+    /// Checks that the settings suit a run of `nodes` processes (`--nodes`): from 1 to
+    /// [`MAX_NODES`](super::MAX_NODES), and more than one only with a shared tier, through
+    /// which the nodes share blocks; their regions together, in memory (tmpfs), must fit in
+    /// what the machine has available.
+    pub fn check_nodes(&self, nodes: u32) -> Result<(), BenchError> {
+        let bad = |reason: String| {
+            Err(BenchError::Config {
+                path: "-".into(),
+                reason,
+            })
+        };
+        if nodes == 0 || nodes > super::MAX_NODES {
+            return bad(format!(
+                "nodes (--nodes): must be 1 to {}, got {nodes}",
+                super::MAX_NODES
+            ));
+        }
+        if nodes > 1 && !self.tiers.iter().any(|t| t.redis.is_some()) {
+            return bad(format!(
+                "nodes (--nodes {nodes}): the nodes share blocks through a shared tier, and secondary_tiers has none; add one to the configuration, for example [[secondary_tiers]] type = \"redis\", urls = [\"redis://127.0.0.1:6379\"], capacity_bytes = 4294967296"
+            ));
+        }
+        let region = u64::from(nodes).saturating_mul(self.cpu_bytes);
+        if nodes > 1 && super::in_memory(&self.region_dir) && region > 2 * super::memory_budget() {
+            return bad(format!(
+                "cpu_bytes_to_use (--cpu-bytes): {nodes} nodes' regions of {} each in {} (memory) need more than the {} this machine has available",
+                super::approx_bytes(self.cpu_bytes),
+                self.region_dir.display(),
+                super::approx_bytes(2 * super::memory_budget())
+            ));
+        }
+        Ok(())
+    }
+
+    /// The settings of node `node` of a run of `nodes`: the same, but a file tier with a
+    /// path gets its own subdirectory `node-<node>` of it (a file tier is one process's:
+    /// its store locks its path). One node keeps the paths as they are.
+    pub fn for_node(&self, node: u32, nodes: u32) -> BenchSettings {
+        let mut s = self.clone();
+        if nodes > 1 {
+            for t in &mut s.tiers {
+                if let (None, Some(p)) = (&t.redis, &mut t.path) {
+                    *p = p.join(format!("node-{node}"));
+                }
+            }
+        }
+        s
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -588,6 +639,36 @@ fsync = "write"
             err.to_string()
                 .contains("secondary_tiers[0].eviction_policy"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn several_nodes_need_a_shared_tier_and_get_their_own_file_tiers() {
+        let mut s = BenchSettings {
+            tiers: vec![TierSettings::new(Some("/mnt/kv".into()), 1 << 30)],
+            ..BenchSettings::default()
+        };
+        s.check_nodes(1).unwrap();
+        let err = s.check_nodes(2).unwrap_err().to_string();
+        assert!(err.contains("nodes (--nodes 2)"), "{err}");
+        assert!(err.contains("type = \"redis\""), "{err}");
+        let err = s.check_nodes(0).unwrap_err().to_string();
+        assert!(err.contains("must be 1 to"), "{err}");
+        s.tiers
+            .push(TierSettings::redis(RedisOptions::default(), 1 << 30));
+        s.check_nodes(2).unwrap();
+        let node = s.for_node(1, 2);
+        assert_eq!(
+            node.tiers[0].path.as_deref(),
+            Some(Path::new("/mnt/kv/node-1"))
+        );
+        assert_eq!(node.tiers[1], s.tiers[1], "the shared tier is the same");
+        assert_eq!(s.for_node(0, 1), s, "one node: as it was");
+        let temp = BenchSettings::default();
+        assert_eq!(
+            temp.for_node(1, 2).tiers[0].path,
+            None,
+            "a temporary tier each"
         );
     }
 

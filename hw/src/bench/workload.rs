@@ -15,14 +15,31 @@ use super::BenchError;
 pub struct Request {
     /// Block ids in prompt order.
     pub blocks: Vec<u64>,
+    /// Whether the prompt ends inside its last block (a trace line whose `input_length` is
+    /// not a multiple of the trace's 512 tokens per block): the conversation's next turn
+    /// appends to that block, so it comes back under another id. Conversations are told
+    /// apart by it (see [`conversations`](super::conversations)).
+    pub partial_last: bool,
 }
+
+impl Request {
+    /// A request whose blocks are all full.
+    pub fn new(blocks: Vec<u64>) -> Self {
+        Request {
+            blocks,
+            partial_last: false,
+        }
+    }
+}
+
+/// Tokens per block in the trace format (Mooncake's 512).
+pub(crate) const TRACE_BLOCK_TOKENS: u64 = 512;
 
 /// A Mooncake trace line. Fields beyond these (a session id, a model name) are ignored.
 #[derive(Deserialize)]
 struct TraceLine {
     #[allow(dead_code)]
     timestamp: u64,
-    #[allow(dead_code)]
     input_length: u64,
     #[allow(dead_code)]
     output_length: u64,
@@ -128,7 +145,10 @@ pub fn parse_trace_with(
                 ),
             ));
         }
-        out.push(Request { blocks: t.hash_ids });
+        out.push(Request {
+            blocks: t.hash_ids,
+            partial_last: !t.input_length.is_multiple_of(TRACE_BLOCK_TOKENS),
+        });
     }
     if out.is_empty() {
         return Err(BenchError::Trace {
@@ -229,9 +249,7 @@ impl Synthetic {
                 .map(|i| (1u64 << 62) | (u64::from(*sys) << 20) | u64::from(i));
             let conv_ids = (0..*len)
                 .map(|i| (u64::from(c as u32) << 40) | (u64::from(*session) << 20) | u64::from(i));
-            out.push(Request {
-                blocks: sys_ids.chain(conv_ids).collect(),
-            });
+            out.push(Request::new(sys_ids.chain(conv_ids).collect()));
         }
         out
     }
@@ -248,14 +266,26 @@ mod tests {
         assert!(err.to_string().contains("t.jsonl:3"), "{err}");
         let first = text.lines().next().unwrap();
         let ok = parse_trace(first.as_bytes(), Path::new("t.jsonl")).unwrap();
-        assert_eq!(ok, vec![Request { blocks: vec![1, 2] }]);
+        assert_eq!(
+            ok,
+            vec![Request {
+                blocks: vec![1, 2],
+                partial_last: true
+            }]
+        );
     }
 
     #[test]
     fn unknown_fields_are_ignored() {
         let text = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session_id\": \"a\", \"hash_ids\": [4]}\n";
         let ok = parse_trace(text.as_bytes(), Path::new("t.jsonl")).unwrap();
-        assert_eq!(ok, vec![Request { blocks: vec![4] }]);
+        assert_eq!(
+            ok,
+            vec![Request {
+                blocks: vec![4],
+                partial_last: true
+            }]
+        );
     }
 
     #[test]

@@ -2,15 +2,16 @@
 //! and reports hit ratios, bandwidth and latency.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
-use std::process::ExitCode;
+use std::path::{Path, PathBuf};
+use std::process::{Command as Process, ExitCode};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvtier_hw::bench::{
-    self, BenchError, BenchSettings, FileSettings, Progress, Synthetic, TierSettings, TraceLimits,
+    self, BenchError, BenchSettings, FileSettings, NodeProgress, Progress, Request, Synthetic,
+    TierSettings, TraceLimits,
 };
 
 #[derive(Parser)]
@@ -64,9 +65,69 @@ struct BenchArgs {
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
     requests: Option<usize>,
+    /// Replay the workload across N kvtier processes (nodes) that share the configuration's
+    /// Redis tier: each replays the requests of its conversations (dealt round-robin) through
+    /// its own region and file tiers. The report shows each node's hits, the totals, and the
+    /// hits on blocks another node stored.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    nodes: u32,
+    /// This process is node I of --nodes N, started by the parent run (internal).
+    #[arg(long, hide = true, value_name = "I", requires = "nodes")]
+    node: Option<u32>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+impl BenchArgs {
+    /// The command of node `node`: this executable, with this run's settings and workload.
+    fn node_command(&self, program: &Path, node: u32) -> Process {
+        // Every field, so that a new option cannot be forgotten here.
+        let BenchArgs {
+            trace,
+            config,
+            cpu_bytes,
+            region_dir,
+            tiers,
+            block_bytes,
+            policy,
+            requests,
+            nodes,
+            node: _,
+            json: _,
+        } = self;
+        let mut c = Process::new(program);
+        c.arg("bench");
+        if let Some(t) = trace {
+            c.arg("--trace").arg(t);
+        }
+        if let Some(p) = config {
+            c.arg("--config").arg(p);
+        }
+        if let Some(b) = cpu_bytes {
+            c.arg("--cpu-bytes").arg(b.to_string());
+        }
+        if let Some(d) = region_dir {
+            c.arg("--region-dir").arg(d);
+        }
+        for t in tiers {
+            let mut spec = t.path.clone().unwrap_or_default().into_os_string();
+            spec.push(format!(":{}", t.capacity_bytes));
+            c.arg("--tier").arg(spec);
+        }
+        if let Some(b) = block_bytes {
+            c.arg("--block-bytes").arg(b.to_string());
+        }
+        if let Some(p) = policy {
+            c.arg("--policy").arg(p);
+        }
+        if let Some(n) = requests {
+            c.arg("--requests").arg(n.to_string());
+        }
+        c.arg("--nodes").arg(nodes.to_string());
+        c.arg("--node").arg(node.to_string());
+        c
+    }
 }
 
 struct Bar {
@@ -84,9 +145,47 @@ impl Progress for Bar {
     fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::Relaxed) != 0
     }
+
+    fn log(&mut self, line: &str) {
+        #[allow(clippy::print_stderr)]
+        self.bar.suspend(|| eprintln!("{line}"));
+    }
 }
 
-fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
+fn bar(total: u64, stop: Arc<AtomicUsize>) -> Bar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {pos}/{len} requests ({eta} left)",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    Bar { bar, stop }
+}
+
+/// Prints `report` (as JSON with `json`); a run that served `wrong` blocks is an error.
+fn output(
+    report: &(impl serde::Serialize + std::fmt::Display),
+    json: bool,
+    wrong: u64,
+) -> Result<(), BenchError> {
+    let text = if json {
+        serde_json::to_string_pretty(report).expect("the report serializes")
+    } else {
+        report.to_string()
+    };
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{text}");
+    }
+    if wrong > 0 {
+        return Err(BenchError::Wrong(wrong));
+    }
+    Ok(())
+}
+
+fn settings(args: &BenchArgs) -> Result<BenchSettings, BenchError> {
     let mut settings = BenchSettings::default();
     if let Some(path) = &args.config {
         FileSettings::read(path)?.apply(&mut settings, path)?;
@@ -107,21 +206,26 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
         settings.policy = bench::parse_policy(p).expect("clap checked the value");
     }
     settings.validate()?;
+    settings.check_nodes(args.nodes)?;
     if args.requests == Some(0) {
         return Err(BenchError::Config {
             path: "-".into(),
             reason: "requests (--requests): must be at least 1".into(),
         });
     }
+    Ok(settings)
+}
+
+fn workload(args: &BenchArgs) -> Result<Vec<Request>, BenchError> {
     let budget = bench::memory_budget();
-    let requests = match &args.trace {
+    match &args.trace {
         Some(t) => {
             let limits = TraceLimits {
                 max_requests: args.requests.unwrap_or(usize::MAX),
                 max_memory_bytes: budget,
                 ..TraceLimits::default()
             };
-            bench::read_trace_with(t, limits)?
+            bench::read_trace_with(t, limits)
         }
         None => {
             let mut s = Synthetic::default();
@@ -129,30 +233,83 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
                 s.requests = n;
             }
             s.check(budget)?;
-            s.generate()
+            Ok(s.generate())
         }
-    };
-    let bar = ProgressBar::new(requests.len() as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{elapsed_precise} [{bar:40}] {pos}/{len} requests ({eta} left)",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
-    );
-    let mut progress = Bar { bar, stop };
+    }
+}
+
+fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
+    let settings = settings(&args)?;
+    if let Some(node) = args.node {
+        return node_run(&args, &settings, node, stop);
+    }
+    let requests = workload(&args)?;
+    if args.nodes > 1 {
+        return nodes_run(&args, &requests, stop);
+    }
+    let mut progress = bar(requests.len() as u64, stop);
     let report = bench::run(&settings, &requests, &mut progress);
     progress.bar.finish_and_clear();
     let report = report?;
-    let out = if args.json {
-        serde_json::to_string_pretty(&report).expect("the report serializes")
-    } else {
-        report.to_string()
-    };
-    #[allow(clippy::print_stdout)]
-    {
-        println!("{out}");
+    output(&report, args.json, report.wrong_blocks)
+}
+
+/// The parent of a run of several nodes: starts them, prints their combined report.
+fn nodes_run(
+    args: &BenchArgs,
+    requests: &[Request],
+    stop: Arc<AtomicUsize>,
+) -> Result<(), BenchError> {
+    let nodes = args.nodes;
+    let counts = bench::nodes_of(requests, nodes).into_iter().fold(
+        vec![0usize; nodes as usize],
+        |mut c, n| {
+            c[n as usize] += 1;
+            c
+        },
+    );
+    if let Some(idle) = counts.iter().position(|&c| c == 0) {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: format!(
+                "nodes (--nodes {nodes}): the workload's {} requests have fewer conversations than nodes (node {idle} would have none)",
+                requests.len()
+            ),
+        });
     }
+    let program = std::env::current_exe().map_err(|e| BenchError::Io {
+        what: "find the kvtier executable",
+        path: "kvtier".into(),
+        source: e,
+    })?;
+    let mut progress = bar(requests.len() as u64, stop);
+    let report = bench::run_nodes(nodes, &|i| args.node_command(&program, i), &mut progress);
+    progress.bar.finish_and_clear();
+    let report = report?;
+    output(&report, args.json, report.total.wrong_blocks)
+}
+
+/// Node `node` of a run of several: replays its share, reports to the parent on stdout.
+fn node_run(
+    args: &BenchArgs,
+    settings: &BenchSettings,
+    node: u32,
+    stop: Arc<AtomicUsize>,
+) -> Result<(), BenchError> {
+    bench::follow_parent()?;
+    if node >= args.nodes {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: format!("node (--node): {node} is not below --nodes {}", args.nodes),
+        });
+    }
+    let requests = bench::node_share(&workload(args)?, node, args.nodes);
+    let report = bench::run(
+        &settings.for_node(node, args.nodes),
+        &requests,
+        &mut NodeProgress::new(stop),
+    )?;
+    bench::send_report(&report);
     if report.wrong_blocks > 0 {
         return Err(BenchError::Wrong(report.wrong_blocks));
     }
@@ -173,16 +330,25 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // SIGINT and SIGTERM ask the run to stop: it ends its jobs and removes its region and
     // temporary tiers, then exits with 128 + the signal's number. A second signal exits at
-    // once, leaving them for the next run to sweep.
+    // once, leaving them for the next run to sweep; not in a node of a run of several, whose
+    // signals come from its parent (which forwards one) or from the parent's death (one per
+    // thread of the parent that it is handed to as it dies).
+    let Command::Bench(args) = &cli.command;
+    let second_exits = args.node.is_none();
     let stop = Arc::new(AtomicUsize::new(0));
     let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         // Handlers run in the order registered: the exit checks `armed`, which the first
         // signal sets only after it.
-        let registered =
+        let exit = if second_exits {
             signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, armed.clone())
-                .and_then(|_| signal_hook::flag::register(sig, armed.clone()))
-                .and_then(|_| signal_hook::flag::register_usize(sig, stop.clone(), sig as usize));
+                .map(drop)
+        } else {
+            Ok(())
+        };
+        let registered = exit
+            .and_then(|_| signal_hook::flag::register(sig, armed.clone()))
+            .and_then(|_| signal_hook::flag::register_usize(sig, stop.clone(), sig as usize));
         if let Err(e) = registered {
             tracing::warn!(error = %e, "no signal handler: an interrupted run leaves its files behind");
         }
