@@ -147,6 +147,10 @@ pub struct Promotions {
     pub succeeded: u64,
     /// Promotions that failed (the block was recomputed).
     pub failed: u64,
+    /// Promotions from a shared tier whose block the server no longer held (its memory
+    /// policy evicted it, or it expired): recomputed, and no failure of the tier.
+    #[serde(default)]
+    pub missing: u64,
 }
 
 /// Tokens per block in the trace format (Mooncake's 512): a block's end-token position is its
@@ -560,6 +564,7 @@ pub fn run(
             started: stats.promotions_started,
             succeeded: stats.promotions_succeeded,
             failed: stats.promotions_failed,
+            missing: stats.promotions_missing,
         },
         primary_evictions: stats.evictions,
         gave_up_waiting: gave_up,
@@ -610,10 +615,11 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "promotions      {} started, {} succeeded, {} failed; {} requests gave up waiting",
+            "promotions      {} started, {} succeeded, {} failed, {} gone from the shared tier; {} requests gave up waiting",
             self.promotions.started,
             self.promotions.succeeded,
             self.promotions.failed,
+            self.promotions.missing,
             self.gave_up_waiting
         )?;
         writeln!(
