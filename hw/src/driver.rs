@@ -556,13 +556,9 @@ impl Driver {
 
     fn apply_tier(&mut self, d: TierDone) {
         self.jobs_in_flight -= 1;
-        // A probe's "not found" is an answer; a load's (every block gone from a shared
-        // store, J6) moved nothing.
-        let ok = match d.result.outcome {
-            Outcome::Ok => true,
-            Outcome::NotFound => d.path == JobPath::Probe,
-            _ => false,
-        };
+        // A probe's "not found" is an answer, and so is a shared store's "no longer held" for
+        // a load's blocks (J6): an op failed only when a block did.
+        let ok = d.error.is_none() && d.result.outcome != Outcome::Failed;
         let blocks = match &d.result.outcome {
             Outcome::Partial { succeeded, .. } => succeeded.len() as u64,
             _ => d.bytes / self.region.layout().row_bytes() as u64,

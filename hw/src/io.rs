@@ -420,7 +420,7 @@ fn run_job(
             for (b, r) in blocks.iter().zip(results) {
                 match r {
                     Ok(()) => ok.push(b.key.clone()),
-                    Err(StoreError::NotFound { key }) if loads_shared => missing.push(key),
+                    Err(StoreError::NotFound { .. }) if loads_shared => missing.push(b.key.clone()),
                     Err(e) => {
                         error.get_or_insert(e);
                     }

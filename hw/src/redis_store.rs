@@ -478,16 +478,18 @@ impl std::fmt::Debug for RedisStore {
 /// A URL without its credentials, for messages: no `user:password@`, and no value of a
 /// `pass` or `password` query parameter (unix-socket URLs carry them there).
 fn redact(url: &str) -> String {
-    let (base, query) = match url.split_once('?') {
+    // The user information goes first, up to the last `@`, whatever it holds (a password may
+    // hold `?` or `/`); an `@` in the query takes the host with it, which only hides more.
+    let (scheme, rest) = match url.find("://") {
+        Some(at) => url.split_at(at + 3),
+        None => ("", url),
+    };
+    let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
+    let (base, query) = match rest.split_once('?') {
         Some((b, q)) => (b, Some(q)),
-        None => (url, None),
+        None => (rest, None),
     };
-    let mut out = match (base.find("://"), base.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}{}", &base[..scheme + 3], &base[at + 1..])
-        }
-        _ => base.to_owned(),
-    };
+    let mut out = format!("{scheme}{base}");
     if let Some(query) = query {
         let params: Vec<String> = query
             .split('&')
@@ -1121,6 +1123,8 @@ mod tests {
             "unix:///run/redis.sock?password=(redacted)&user=bob"
         );
         assert_eq!(redact("redis://h:6379/0"), "redis://h:6379/0");
+        assert_eq!(redact("redis://:pa?ss/wd@h:6379"), "redis://h:6379");
+        assert!(!redact("redis://u:x@y?pass=a@b").contains('x'));
         let o = RedisOptions {
             urls: vec!["unix:///s.sock?pass=secret".into()],
             password: Some("secret".into()),

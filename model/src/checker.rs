@@ -506,18 +506,19 @@ impl Model for TieringModel {
             actions.push(Action::Shutdown);
         }
         for j in s.owed() {
+            let shared = self.config.tiers[j.tier.index()].kind == TierKind::Shared;
             let ends: &[End] = match &j.kind {
+                // J6: a shared store may no longer hold a load's blocks.
+                JobKind::Load { blocks, .. } if shared && blocks.len() > 1 => {
+                    &[End::Ok, End::Failed, End::FirstOnly, End::NotFound]
+                }
+                JobKind::Load { .. } if shared => &[End::Ok, End::Failed, End::NotFound],
                 JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. }
                     if blocks.len() > 1 =>
                 {
                     &[End::Ok, End::Failed, End::FirstOnly]
                 }
                 JobKind::Exists { .. } => &[End::Ok, End::NotFound, End::Failed],
-                JobKind::Load { .. }
-                    if self.config.tiers[j.tier.index()].kind == TierKind::Shared =>
-                {
-                    &[End::Ok, End::Failed, End::NotFound]
-                }
                 _ => &[End::Ok, End::Failed],
             };
             for &e in ends {

@@ -19,6 +19,7 @@ use kvtier_core::{
     BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind, RequestId,
     ReuseFilter, TierConfig, TierKind,
 };
+use kvtier_hw::bench::FileTier;
 use kvtier_hw::{
     Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, RedisOptions, RedisStore,
     Region, SecondaryStore, StoreError,
@@ -359,45 +360,38 @@ fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
         };
         StoreSettings::File { path, fsync }
     } else {
-        let mut o = RedisOptions {
-            urls: value(get("urls")?, &name("urls"), "a list of URLs")?
-                .ok_or_else(|| errors::config(&name("urls"), "missing"))?,
-            ..RedisOptions::default()
+        // The same keys and checks as the bench's configuration file.
+        let keys = FileTier {
+            kind: kind.clone(),
+            capacity_bytes,
+            eviction_policy: None,
+            path: None,
+            fsync: None,
+            urls: value(get("urls")?, &name("urls"), "a list of URLs")?,
+            cluster: value(get("cluster")?, &name("cluster"), "true or false")?,
+            namespace: value(get("namespace")?, &name("namespace"), "a string")?,
+            timeout_ms: value(
+                get("timeout_ms")?,
+                &name("timeout_ms"),
+                "a number of milliseconds",
+            )?,
+            ttl_s: value(get("ttl_s")?, &name("ttl_s"), "a number of seconds")?,
+            username_env: value(
+                get("username_env")?,
+                &name("username_env"),
+                "a variable name",
+            )?,
+            password_env: value(
+                get("password_env")?,
+                &name("password_env"),
+                "a variable name",
+            )?,
+            tls: value(get("tls")?, &name("tls"), "true or false")?,
+            tls_ca_file: value(get("tls_ca_file")?, &name("tls_ca_file"), "a path")?,
         };
-        if let Some(c) = value(get("cluster")?, &name("cluster"), "true or false")? {
-            o.cluster = c;
-        }
-        if let Some(n) = value(get("namespace")?, &name("namespace"), "a string")? {
-            o.namespace = n;
-        }
-        if let Some(ms) = value::<u64>(
-            get("timeout_ms")?,
-            &name("timeout_ms"),
-            "a number of milliseconds",
-        )? {
-            o.timeout = Duration::from_millis(ms);
-        }
-        if let Some(s) = value::<u64>(get("ttl_s")?, &name("ttl_s"), "a number of seconds")? {
-            o.ttl = Some(Duration::from_secs(s));
-        }
-        let username_env: Option<String> = value(
-            get("username_env")?,
-            &name("username_env"),
-            "a variable name",
-        )?;
-        let password_env: Option<String> = value(
-            get("password_env")?,
-            &name("password_env"),
-            "a variable name",
-        )?;
-        o.credentials_from(username_env.as_deref(), password_env.as_deref(), |v| {
-            std::env::var(v).ok()
-        })
-        .map_err(|e| errors::config(&name("password_env"), e))?;
-        if let Some(tls) = value(get("tls")?, &name("tls"), "true or false")? {
-            o.tls = tls;
-        }
-        o.tls_ca_file = value(get("tls_ca_file")?, &name("tls_ca_file"), "a path")?;
+        let o = keys
+            .redis_options(&name, &|v| std::env::var(v).ok())
+            .map_err(errors::config_error)?;
         StoreSettings::Redis(o)
     };
     Ok(TierSettings {

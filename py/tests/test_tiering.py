@@ -279,6 +279,11 @@ def test_a_redis_tier_setting_of_the_wrong_type_names_the_key(region_dir, redis_
         ({"type": "redis", "urls": [redis_url], "password_env": "KVTIER_TEST_UNSET_VARIABLE"},
          "KVTIER_TEST_UNSET_VARIABLE"),
         ({"type": "file", "path": "/tmp/x", "urls": [redis_url]}, "secondary_tiers[0].urls"),
+        ({"type": "redis", "urls": [redis_url], "ttl_s": 0}, "secondary_tiers[0].ttl_s"),
+        ({"type": "redis", "urls": [redis_url], "tls": False, "tls_ca_file": "/tmp/ca.pem"},
+         "secondary_tiers[0].tls_ca_file"),
+        ({"type": "redis", "urls": [redis_url], "username_env": "KVTIER_TEST_UNSET_VARIABLE"},
+         "secondary_tiers[0].username_env"),
     ]:
         with pytest.raises(kv.ConfigError, match=re.escape(key)):
             Node(region_dir, None, caches, tier=tier)

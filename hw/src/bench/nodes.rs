@@ -119,9 +119,12 @@ impl<S: SecondaryStore> Tracked<S> {
         }
     }
 
-    /// Whether this process read `key` from the store without having written it there.
-    pub fn read_foreign(&self, key: &Key) -> bool {
-        lock(&self.seen).foreign.contains(key)
+    /// Whether this process read `key` from the store without having written it there,
+    /// since the last call for `key`: each such read is counted once, at the promotion it
+    /// served (a later promotion of the same block from another tier, a local file tier this
+    /// node cascaded it to, is not another node's).
+    pub fn take_foreign(&self, key: &Key) -> bool {
+        lock(&self.seen).foreign.remove(key)
     }
 
     fn wrote(&self, key: &Key) {

@@ -451,7 +451,7 @@ pub fn run(
                     Some(true) => {
                         promoted_hits += 1;
                         let k = key(*b);
-                        cross_node_hits += u64::from(shared.iter().any(|s| s.read_foreign(&k)));
+                        cross_node_hits += u64::from(shared.iter().any(|s| s.take_foreign(&k)));
                     }
                     Some(false) => pending_hits += 1,
                     None => primary_hits += 1,

@@ -167,6 +167,81 @@ pub struct FileTier {
 }
 
 impl FileTier {
+    /// A Redis tier's connection settings from its keys (`urls`, `cluster`, `namespace`,
+    /// `timeout_ms`, `ttl_s`, `username_env`, `password_env`, `tls`, `tls_ca_file`): every
+    /// check of the configuration file, for any caller that takes the same keys (the Python
+    /// package does). `field` names a key in messages; `lookup` reads the environment. The
+    /// identity is left empty: it is the caller's (model, layout) to set.
+    pub fn redis_options(
+        &self,
+        field: &dyn Fn(&str) -> String,
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<RedisOptions, String> {
+        let mut o = RedisOptions::default();
+        match &self.urls {
+            Some(urls) if !urls.is_empty() => o.urls = urls.clone(),
+            _ => {
+                return Err(format!(
+                    "{}: a Redis tier needs its server's URL",
+                    field("urls")
+                ));
+            }
+        }
+        o.cluster = self.cluster.unwrap_or(false);
+        if let Some(n) = &self.namespace {
+            if n.is_empty() {
+                return Err(format!("{}: must not be empty", field("namespace")));
+            }
+            o.namespace = n.clone();
+        }
+        if let Some(ms) = self.timeout_ms {
+            if ms == 0 {
+                return Err(format!("{}: must be at least 1", field("timeout_ms")));
+            }
+            o.timeout = std::time::Duration::from_millis(ms);
+        }
+        if let Some(s) = self.ttl_s {
+            if s == 0 {
+                return Err(format!(
+                    "{}: must be at least 1 (or absent)",
+                    field("ttl_s")
+                ));
+            }
+            o.ttl = Some(std::time::Duration::from_secs(s));
+        }
+        let any_tls_url = o.urls.iter().any(|u| u.starts_with("rediss://"));
+        o.tls = self.tls.unwrap_or(any_tls_url);
+        if !o.tls && any_tls_url {
+            return Err(format!(
+                "{}: false, but a URL is rediss:// (TLS): set tls = true, or use redis:// URLs",
+                field("tls")
+            ));
+        }
+        if let Some(ca) = &self.tls_ca_file {
+            if !o.tls {
+                return Err(format!(
+                    "{}: a CA for TLS, but the tier does not use TLS: set tls = true",
+                    field("tls_ca_file")
+                ));
+            }
+            o.tls_ca_file = Some(ca.clone());
+        }
+        // A variable that is not set is reported under the key that names it.
+        let unset = |var: &Option<String>| var.as_deref().is_some_and(|v| lookup(v).is_none());
+        let key = if unset(&self.username_env) {
+            "username_env"
+        } else {
+            "password_env"
+        };
+        o.credentials_from(
+            self.username_env.as_deref(),
+            self.password_env.as_deref(),
+            lookup,
+        )
+        .map_err(|e| format!("{}: {e}", field(key)))?;
+        Ok(o)
+    }
+
     /// The tier's settings; `lookup` reads the environment (credentials come from the
     /// variables the file names, never from the file).
     fn settings(
@@ -208,70 +283,7 @@ impl FileTier {
             }
             "redis" => {
                 refuse(&file_keys, "redis")?;
-                let mut o = RedisOptions::default();
-                match &self.urls {
-                    Some(urls) if !urls.is_empty() => o.urls = urls.clone(),
-                    _ => {
-                        return Err(format!(
-                            "{}: a Redis tier needs its server's URL",
-                            field("urls")
-                        ));
-                    }
-                }
-                o.cluster = self.cluster.unwrap_or(false);
-                if let Some(n) = &self.namespace {
-                    if n.is_empty() {
-                        return Err(format!("{}: must not be empty", field("namespace")));
-                    }
-                    o.namespace = n.clone();
-                }
-                if let Some(ms) = self.timeout_ms {
-                    if ms == 0 {
-                        return Err(format!("{}: must be at least 1", field("timeout_ms")));
-                    }
-                    o.timeout = std::time::Duration::from_millis(ms);
-                }
-                if let Some(s) = self.ttl_s {
-                    if s == 0 {
-                        return Err(format!(
-                            "{}: must be at least 1 (or absent)",
-                            field("ttl_s")
-                        ));
-                    }
-                    o.ttl = Some(std::time::Duration::from_secs(s));
-                }
-                let any_tls_url = o.urls.iter().any(|u| u.starts_with("rediss://"));
-                o.tls = self.tls.unwrap_or(any_tls_url);
-                if !o.tls && any_tls_url {
-                    return Err(format!(
-                        "{}: false, but a URL is rediss:// (TLS): set tls = true, or use redis:// URLs",
-                        field("tls")
-                    ));
-                }
-                if let Some(ca) = &self.tls_ca_file {
-                    if !o.tls {
-                        return Err(format!(
-                            "{}: a CA for TLS, but the tier does not use TLS: set tls = true",
-                            field("tls_ca_file")
-                        ));
-                    }
-                    o.tls_ca_file = Some(ca.clone());
-                }
-                // A variable that is not set is reported under the key that names it.
-                let unset =
-                    |var: &Option<String>| var.as_deref().is_some_and(|v| lookup(v).is_none());
-                let key = if unset(&self.username_env) {
-                    "username_env"
-                } else {
-                    "password_env"
-                };
-                o.credentials_from(
-                    self.username_env.as_deref(),
-                    self.password_env.as_deref(),
-                    lookup,
-                )
-                .map_err(|e| format!("{}: {e}", field(key)))?;
-                TierSettings::redis(o, self.capacity_bytes)
+                TierSettings::redis(self.redis_options(field, lookup)?, self.capacity_bytes)
             }
             other => {
                 return Err(format!(
