@@ -114,7 +114,7 @@ fn filled(policy: PolicyKind, tiers: bool) -> Manager {
 }
 
 fn memory_report() {
-    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse] {
         let before = LIVE.load(Ordering::Relaxed);
         let mut m = filled(policy, false);
         let after = LIVE.load(Ordering::Relaxed);
@@ -147,6 +147,23 @@ fn memory_report() {
             let per_slot = (full - before - keys) as f64 / f64::from(SLOTS);
             eprintln!(
                 "memory Arc with both ghost lists full (T1 T2 B1 B2 = {lens:?}): {per_slot:.1} bytes of metadata per slot beyond {KEY_BYTES} key bytes"
+            );
+        }
+        if policy == PolicyKind::Reuse {
+            // Fill the ghost (6 × the capacity of distinct evicted keys), the worst case.
+            let mut next = u64::from(SLOTS);
+            let ghosts = kvtier_core::policy::GHOST_CAPACITIES as u64 * u64::from(SLOTS);
+            for _ in 0..(ghosts / BATCH) {
+                let ks = batch(next);
+                next += BATCH;
+                m.prepare_store(REQ, &ks).expect("room");
+                m.complete_store(REQ, &ks, true);
+                m.request_finished(REQ);
+            }
+            let full = LIVE.load(Ordering::Relaxed);
+            let per_slot = (full - before - keys) as f64 / f64::from(SLOTS);
+            eprintln!(
+                "memory Reuse with its ghost full ({ghosts} keys): {per_slot:.1} bytes of metadata per slot beyond {KEY_BYTES} key bytes"
             );
         }
         drop(m);
@@ -240,6 +257,12 @@ fn benches(c: &mut Criterion) {
         &mut g,
         "store_evict_arc",
         filled(PolicyKind::Arc, false),
+        |_| {},
+    );
+    store_bench(
+        &mut g,
+        "store_evict_reuse",
+        filled(PolicyKind::Reuse, false),
         |_| {},
     );
     // Cascade: store + complete (ok) to 2 tiers, their jobs' results, and the step's end.

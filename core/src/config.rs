@@ -18,6 +18,9 @@ pub enum PolicyKind {
     Lru,
     /// vLLM's simplified adaptive replacement cache (T1/T2 with ghost lists B1/B2).
     Arc,
+    /// kvtier's reuse-aware LRU (rules U1–U7): new request tails go first, and blocks reused
+    /// or back after an eviction outlive new ones by four turnovers of the cache.
+    Reuse,
 }
 
 /// How complete a secondary tier's index is.

@@ -348,6 +348,7 @@ impl Primary {
         let kind = match self.policy {
             Policy::Lru(_) => crate::config::PolicyKind::Lru,
             Policy::Arc(_) => crate::config::PolicyKind::Arc,
+            Policy::Reuse(_) => crate::config::PolicyKind::Reuse,
         };
         self.slots.fill(FREE_SLOT);
         self.index.clear();
@@ -480,6 +481,7 @@ impl Primary {
         };
         let mut order = core::mem::take(&mut self.order_scratch);
         access.order_into(&mut order);
+        self.policy.begin_finish(); // U3
         for &i in order.iter().rev() {
             let e = &access.keys[i as usize];
             let used = if e.flags & REUSED != 0 {

@@ -19,7 +19,7 @@ use std::hash::{Hash, Hasher};
 
 use kvtier_core::{
     BlockState, Config, Effect, EntryState, EventKind, Job, JobId, JobKind, JobResult, Key, Lookup,
-    Manager, Medium, Outcome, RequestId, SlotId, TierConfig, TierId, TierKind,
+    Manager, Medium, Outcome, PolicyKind, RequestId, SlotId, TierConfig, TierId, TierKind,
 };
 use stateright::{Model, Property};
 
@@ -58,6 +58,17 @@ impl TieringModel {
         m.failed_stores = false;
         m.loads = false;
         m.shutdown = false;
+        m
+    }
+
+    /// As [`TieringModel::ci`], with kvtier's reuse-aware LRU (U1–U8) for the primary and
+    /// both tiers, explored in CI to a depth bound.
+    pub fn ci_reuse() -> Self {
+        let mut m = Self::ci();
+        m.config.policy = PolicyKind::Reuse;
+        for t in &mut m.config.tiers {
+            t.policy = PolicyKind::Reuse;
+        }
         m
     }
 

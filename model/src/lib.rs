@@ -48,8 +48,8 @@ pub fn fuzz_ops(data: &[u8]) {
 #[derive(Arbitrary, Debug)]
 struct RawConfig {
     num_blocks: u32,
-    arc: bool,
-    tiers: Vec<(bool, u32, bool, u32, u32, u32)>,
+    policy: u8,
+    tiers: Vec<(bool, u32, u8, u32, u32, u32)>,
     cooldown: u32,
     failures_to_down: u32,
     probe_interval: u32,
@@ -63,27 +63,25 @@ pub fn fuzz_config(data: &[u8]) {
     let Ok(raw) = RawConfig::arbitrary(&mut u) else {
         return;
     };
-    let policy = |arc| {
-        if arc {
-            PolicyKind::Arc
-        } else {
-            PolicyKind::Lru
-        }
+    let policy = |p: u8| match p % 3 {
+        0 => PolicyKind::Lru,
+        1 => PolicyKind::Arc,
+        _ => PolicyKind::Reuse,
     };
     let mut c = Config::new(raw.num_blocks % 4096);
-    c.policy = policy(raw.arc);
+    c.policy = policy(raw.policy);
     c.tiers = raw
         .tiers
         .iter()
         .take(70)
-        .map(|&(shared, cap, arc, stores, ttl, probes)| {
+        .map(|&(shared, cap, p, stores, ttl, probes)| {
             let kind = if shared {
                 TierKind::Shared
             } else {
                 TierKind::Authoritative
             };
             let mut t = TierConfig::new(kind, cap % 8192);
-            t.policy = policy(arc);
+            t.policy = policy(p);
             t.max_outstanding_stores = stores % 4;
             t.absent_ttl_steps = ttl % 4;
             t.max_outstanding_probes = probes % 4;

@@ -266,7 +266,7 @@ impl Op {
 /// eviction, back-pressure, health and cooldowns all happen within a few dozen ops.
 #[derive(Arbitrary, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConfigChoice {
-    /// Primary slots (1..=4) and policy.
+    /// Primary slots (1..=4) and policy (bits 2 and 3).
     pub primary: u8,
     /// Number of tiers (0..=2) and their kinds and policies.
     pub tiers: u8,
@@ -281,12 +281,11 @@ pub struct ConfigChoice {
 impl ConfigChoice {
     /// The configuration this choice names. Always valid.
     pub fn config(self) -> Config {
-        let policy = |bit: u8| {
-            if bit & 1 == 1 {
-                PolicyKind::Arc
-            } else {
-                PolicyKind::Lru
-            }
+        // Bit 0: ARC; else bit 1: the reuse-aware LRU; else LRU.
+        let policy = |bits: u8| match bits & 3 {
+            1 | 3 => PolicyKind::Arc,
+            2 => PolicyKind::Reuse,
+            _ => PolicyKind::Lru,
         };
         let mut c = Config::new(1 + u32::from(self.primary % 4));
         c.policy = policy(self.primary >> 2);
@@ -299,7 +298,7 @@ impl ConfigChoice {
                 TierKind::Authoritative
             };
             let mut t = TierConfig::new(kind, 1 + u32::from((self.capacities >> (4 * i)) % 3));
-            t.policy = policy(bits >> 1);
+            t.policy = policy(bits >> 1); // bits 1 and 2 of the tier's three
             t.max_outstanding_stores = 1 + u32::from((self.bounds >> i) & 1);
             t.max_outstanding_probes = 1 + u32::from((self.bounds >> (2 + i)) & 1);
             t.absent_ttl_steps = 1 + u32::from((self.misc >> 4) % 3);

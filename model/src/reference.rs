@@ -111,6 +111,73 @@ enum Recency {
         p: f64,
         cap: usize,
     },
+    /// The reuse-aware LRU (U1–U7).
+    Reuse {
+        /// Every resident key's class, due time and the order it took them in.
+        entries: BTreeMap<Key, ReuseEntry>,
+        /// Ticks once per key a finish or touch walks.
+        clock: u64,
+        /// Orders placements (ties in due time within a class).
+        placed: u64,
+        /// `4 × cap`.
+        bonus: u64,
+        /// The last distinct evicted keys, oldest first, at most `6 × cap`.
+        ghost: Vec<Key>,
+        cap: usize,
+    },
+}
+
+/// A resident key under the reuse-aware LRU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ReuseEntry {
+    class: ReuseClass,
+    due: u64,
+    placed: u64,
+}
+
+/// U5's eviction order: tails, then new and reused merged by due time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum ReuseClass {
+    Tail,
+    New,
+    Reused,
+}
+
+impl ReuseEntry {
+    /// The key victims are taken in (U5).
+    fn order(&self) -> (bool, u64, ReuseClass, u64) {
+        (
+            self.class != ReuseClass::Tail,
+            self.due,
+            self.class,
+            self.placed,
+        )
+    }
+}
+
+/// Places `key` in `class` now (U1, U2, U4): reused blocks are due `bonus` ticks later.
+fn reuse_place(
+    entries: &mut BTreeMap<Key, ReuseEntry>,
+    key: &Key,
+    class: ReuseClass,
+    clock: u64,
+    bonus: u64,
+    placed: &mut u64,
+) {
+    *placed += 1;
+    let due = if class == ReuseClass::Reused {
+        clock + bonus
+    } else {
+        clock
+    };
+    entries.insert(
+        key.clone(),
+        ReuseEntry {
+            class,
+            due,
+            placed: *placed,
+        },
+    );
 }
 
 fn remove_key(list: &mut Vec<Key>, key: &Key) -> bool {
@@ -153,6 +220,14 @@ impl Recency {
                 p: 0.0,
                 cap,
             },
+            PolicyKind::Reuse => Recency::Reuse {
+                entries: BTreeMap::new(),
+                clock: 0,
+                placed: 0,
+                bonus: 4 * cap as u64,
+                ghost: Vec::new(),
+                cap,
+            },
         }
     }
 
@@ -177,6 +252,22 @@ impl Recency {
                 remove_key(b1, key);
                 remove_key(b2, key);
             }
+            Recency::Reuse {
+                entries,
+                clock,
+                placed,
+                bonus,
+                ghost,
+                ..
+            } => {
+                // U1: back after an eviction → reused.
+                let class = if ghost.contains(key) {
+                    ReuseClass::Reused
+                } else {
+                    ReuseClass::New
+                };
+                reuse_place(entries, key, class, *clock, *bonus, placed);
+            }
         }
     }
 
@@ -190,6 +281,9 @@ impl Recency {
                 if !remove_key(t1, key) {
                     remove_key(t2, key);
                 }
+            }
+            Recency::Reuse { entries, .. } => {
+                entries.remove(key); // U7
             }
         }
     }
@@ -221,12 +315,38 @@ impl Recency {
                         ghost_hit(key, b1, b2, p, *cap);
                     }
                 }
+                Recency::Reuse {
+                    entries,
+                    clock,
+                    placed,
+                    bonus,
+                    ..
+                } => {
+                    *clock += 1; // U2
+                    if entries.contains_key(key) {
+                        reuse_place(entries, key, ReuseClass::Reused, *clock, *bonus, placed);
+                    }
+                }
             }
         }
     }
 
-    /// L4: the request's newly seen keys (ARC: nothing).
+    /// L4 / U8: the request's newly seen keys (ARC: nothing).
     fn access(&mut self, new_keys: &[Key], record: &mut Record) {
+        if let Recency::Reuse {
+            entries,
+            clock,
+            placed,
+            bonus,
+            ..
+        } = self
+        {
+            for k in new_keys {
+                if record.position(k).is_some() && entries.contains_key(k) {
+                    reuse_place(entries, k, ReuseClass::Reused, *clock, *bonus, placed);
+                }
+            }
+        }
         if let Recency::Lru { ranks, last } = self {
             let r = request_rank(record, last);
             for k in new_keys {
@@ -251,7 +371,7 @@ impl Recency {
 
     /// L5 / A8: a finished request's keys, head to tail, walked tail to head.
     fn finish(&mut self, record: &Record) {
-        for key in record.head_to_tail().iter().rev() {
+        for (i, key) in record.head_to_tail().iter().rev().enumerate() {
             match self {
                 Recency::Lru { ranks, last } => {
                     if let Some(rank) = ranks.get_mut(key) {
@@ -271,6 +391,28 @@ impl Recency {
                     } else if reused && (remove_key(t1, key) || remove_key(t2, key)) {
                         t2.push(key.clone());
                     }
+                }
+                Recency::Reuse {
+                    entries,
+                    clock,
+                    placed,
+                    bonus,
+                    ..
+                } => {
+                    *clock += 1; // U4: every walked key ticks; U3: the first is the tail
+                    let Some(e) = entries.get(key) else {
+                        continue;
+                    };
+                    let inserted_only =
+                        record.inserted.contains(key) && !record.reused.contains(key);
+                    let class = if !inserted_only || e.class == ReuseClass::Reused {
+                        ReuseClass::Reused
+                    } else if i == 0 {
+                        ReuseClass::Tail
+                    } else {
+                        ReuseClass::New
+                    };
+                    reuse_place(entries, key, class, *clock, *bonus, placed);
                 }
             }
         }
@@ -320,6 +462,15 @@ impl Recency {
                     }
                 }
             }
+            Recency::Reuse { entries, .. } => {
+                let mut order: Vec<_> = entries
+                    .iter()
+                    .filter(|(k, _)| eligible(k))
+                    .map(|(k, e)| (e.order(), k))
+                    .collect();
+                order.sort();
+                chosen.extend(order.into_iter().take(n).map(|(_, k)| k.clone()));
+            }
         }
         chosen
     }
@@ -354,6 +505,22 @@ impl Recency {
                     }
                 }
             }
+            Recency::Reuse {
+                entries,
+                ghost,
+                cap,
+                ..
+            } => {
+                // U6: each victim is remembered once, the oldest forgotten past 6 × cap.
+                for v in victims {
+                    if entries.remove(v).is_some() && !ghost.contains(v) {
+                        ghost.push(v.clone());
+                    }
+                }
+                while ghost.len() > 6 * *cap {
+                    ghost.remove(0);
+                }
+            }
         }
     }
 
@@ -381,6 +548,9 @@ impl Recency {
                 t2: t2.clone(),
                 b1: b1.clone(),
                 b2: b2.clone(),
+            },
+            Recency::Reuse { .. } => PolicyView::Reuse {
+                order: self.select(usize::MAX, |_| true),
             },
         }
     }
@@ -416,6 +586,11 @@ pub enum PolicyView {
         b1: Vec<Key>,
         /// Ghosts evicted from T2.
         b2: Vec<Key>,
+    },
+    /// The reuse-aware LRU: every held block in eviction order.
+    Reuse {
+        /// The next victim first.
+        order: Vec<Key>,
     },
 }
 

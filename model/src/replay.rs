@@ -171,8 +171,11 @@ impl Trace {
 /// What to replay on.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Setup {
-    /// The primary tier's policy.
+    /// The primary tier's policy under vLLM.
     pub policy: Policy,
+    /// The primary tier's policy in the core: `policy`'s, unless a replay of the core alone
+    /// names one vLLM does not have.
+    pub core_policy: PolicyKind,
     /// Primary blocks.
     pub num_blocks: u32,
     /// The capacities of the secondary tiers, in tier order (authoritative tiers in the core,
@@ -188,6 +191,10 @@ impl Setup {
     pub fn primary(policy: Policy, num_blocks: u32) -> Self {
         Setup {
             policy,
+            core_policy: match policy {
+                Policy::Lru => PolicyKind::Lru,
+                Policy::Arc => PolicyKind::Arc,
+            },
             num_blocks,
             tiers: Vec::new(),
             block_tokens: BLOCK_TOKENS,
@@ -197,10 +204,7 @@ impl Setup {
     /// The core's configuration; `events` on for the lockstep, off for timing.
     pub fn core_config(&self, events: bool) -> Config {
         let mut config = Config::new(self.num_blocks);
-        config.policy = match self.policy {
-            Policy::Lru => PolicyKind::Lru,
-            Policy::Arc => PolicyKind::Arc,
-        };
+        config.policy = self.core_policy;
         config.tiers = self
             .tiers
             .iter()

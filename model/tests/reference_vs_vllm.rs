@@ -656,11 +656,11 @@ impl Run<'_> {
     }
 }
 
-/// ARC's `p` (none under LRU).
+/// ARC's `p` (none under the other policies).
 fn arc_p(view: &PrimaryView) -> Option<f64> {
     match view.policy {
         PolicyView::Arc { p, .. } => Some(p),
-        PolicyView::Lru { .. } => None,
+        PolicyView::Lru { .. } | PolicyView::Reuse { .. } => None,
     }
 }
 

@@ -26,6 +26,33 @@ fn ci_configuration_is_checked_exhaustively() {
     assert_eq!(checker.unique_state_count(), CI_STATES);
 }
 
+/// Depth of [`TieringModel::ci_reuse`]'s exploration in CI.
+const REUSE_DEPTH: usize = 11;
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "minutes in a release build: scripts/test.sh runs it with --release"
+)]
+fn reuse_policy_configuration_to_a_depth_bound() {
+    let started = std::time::Instant::now();
+    let checker = TieringModel::ci_reuse()
+        .checker()
+        .threads(2)
+        .target_max_depth(REUSE_DEPTH)
+        .spawn_bfs()
+        .join();
+    eprintln!(
+        "reuse-aware LRU to depth {REUSE_DEPTH}: {} unique states, {} generated, {:?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        started.elapsed()
+    );
+    checker.assert_no_discovery("invariants hold");
+    checker.assert_no_discovery("no transition breaks a rule");
+    checker.assert_no_discovery("every state settles");
+}
+
 /// The larger configuration (shared tier, every action) to a depth bound; figures in
 /// `docs/verification.md`. Run with `cargo test --release -p kvtier-model --test stateright
 /// -- --ignored`.

@@ -272,9 +272,12 @@ fn parse_policy(key: &str, name: &str) -> PyResult<PolicyKind> {
     match name {
         "lru" => Ok(PolicyKind::Lru),
         "arc" => Ok(PolicyKind::Arc),
+        "reuse" => Ok(PolicyKind::Reuse),
         other => Err(errors::config(
             key,
-            format!("unknown eviction policy {other:?} (kvtier has \"lru\" and \"arc\")"),
+            format!(
+                "unknown eviction policy {other:?} (kvtier has \"lru\", \"arc\" and \"reuse\")"
+            ),
         )),
     }
 }

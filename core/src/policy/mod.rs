@@ -1,4 +1,5 @@
-//! Eviction policies behind one trait: vLLM 0.33's ranked LRU and its simplified ARC.
+//! Eviction policies behind one trait: vLLM 0.33's ranked LRU and its simplified ARC, and
+//! kvtier's reuse-aware LRU.
 //!
 //! A policy orders *resident entries*, named by dense ids (a primary slot, or a tier index
 //! entry), and chooses victims among those its caller calls eligible. It never decides
@@ -7,12 +8,14 @@
 mod arc;
 mod list;
 mod lru;
+mod reuse;
 
 use alloc::string::String;
 use alloc::vec::Vec;
 
 pub use self::arc::ArcPolicy;
 pub use self::lru::LruPolicy;
+pub use self::reuse::{GHOST_CAPACITIES, REUSE_BONUS_TURNOVERS, ReusePolicy};
 pub(crate) use list::Lists;
 
 use crate::config::PolicyKind;
@@ -73,6 +76,8 @@ pub trait EvictionPolicy {
     fn store_miss(&mut self, key: &Key) {
         let _ = key;
     }
+    /// A request is finishing: its keys follow, tail first (rule U3).
+    fn begin_finish(&mut self) {}
     /// A finishing request's key, walked tail to head; `resident` is its id if resident
     /// (rules L5, A8).
     fn finish(&mut self, key: &Key, resident: Option<u32>, used: Use);
@@ -106,6 +111,8 @@ pub enum Policy {
     Lru(LruPolicy),
     /// vLLM's simplified ARC.
     Arc(ArcPolicy),
+    /// kvtier's reuse-aware LRU.
+    Reuse(ReusePolicy),
 }
 
 impl Policy {
@@ -114,6 +121,7 @@ impl Policy {
         match kind {
             PolicyKind::Lru => Policy::Lru(LruPolicy::with_capacity(capacity)),
             PolicyKind::Arc => Policy::Arc(ArcPolicy::new(capacity)),
+            PolicyKind::Reuse => Policy::Reuse(ReusePolicy::new(capacity)),
         }
     }
 
@@ -121,7 +129,7 @@ impl Policy {
     pub fn arc_target(&self) -> Option<f64> {
         match self {
             Policy::Arc(a) => Some(a.target()),
-            Policy::Lru(_) => None,
+            Policy::Lru(_) | Policy::Reuse(_) => None,
         }
     }
 
@@ -131,6 +139,7 @@ impl Policy {
         match self {
             Policy::Lru(p) => p.write_canonical(out, name),
             Policy::Arc(a) => a.write_canonical(out, name),
+            Policy::Reuse(r) => r.write_canonical(out, name),
         }
     }
 
@@ -138,6 +147,7 @@ impl Policy {
         match self {
             Policy::Lru(p) => p,
             Policy::Arc(p) => p,
+            Policy::Reuse(p) => p,
         }
     }
 
@@ -145,6 +155,7 @@ impl Policy {
         match self {
             Policy::Lru(p) => p,
             Policy::Arc(p) => p,
+            Policy::Reuse(p) => p,
         }
     }
 }
@@ -175,6 +186,9 @@ impl EvictionPolicy for Policy {
     }
     fn store_miss(&mut self, key: &Key) {
         self.inner_mut().store_miss(key)
+    }
+    fn begin_finish(&mut self) {
+        self.inner_mut().begin_finish()
     }
     fn finish(&mut self, key: &Key, resident: Option<u32>, used: Use) {
         self.inner_mut().finish(key, resident, used)

@@ -7,6 +7,7 @@ mod belady;
 mod nodes;
 mod run;
 mod settings;
+mod sweep;
 mod temp;
 mod workload;
 
@@ -21,6 +22,7 @@ pub use run::{Progress, Promotions, Report, TierReport, run};
 pub use settings::{
     BenchSettings, FileSettings, FileTier, TierSettings, parse_bytes, parse_policy,
 };
+pub use sweep::{SweepCell, SweepReport, SweepRow, sweep};
 pub use temp::{TEMP_TIER_PREFIX, sweep_temporary_tiers};
 pub use workload::{
     Request, Synthetic, TraceLimits, parse_trace, parse_trace_with, read_trace, read_trace_with,

@@ -155,9 +155,9 @@ pub struct Promotions {
 
 /// Tokens per block in the trace format (Mooncake's 512): a block's end-token position is its
 /// index plus one, times this.
-const BLOCK_TOKENS: u64 = super::workload::TRACE_BLOCK_TOKENS;
+pub(super) const BLOCK_TOKENS: u64 = super::workload::TRACE_BLOCK_TOKENS;
 
-fn key(block: u64) -> Key {
+pub(super) fn key(block: u64) -> Key {
     Key::new(&block.to_le_bytes())
 }
 
@@ -182,10 +182,11 @@ struct Active {
     retried: BTreeMap<u64, bool>,
 }
 
-fn policy_name(p: PolicyKind) -> &'static str {
+pub(super) fn policy_name(p: PolicyKind) -> &'static str {
     match p {
         PolicyKind::Lru => "lru",
         PolicyKind::Arc => "arc",
+        PolicyKind::Reuse => "reuse",
     }
 }
 

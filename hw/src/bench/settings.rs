@@ -118,7 +118,7 @@ pub struct FileSettings {
     pub block_size: Option<u64>,
     /// KV-cache bytes per token for one worker.
     pub bytes_per_token: Option<u64>,
-    /// The primary's policy: "lru" or "arc" (any case).
+    /// The primary's policy: "lru", "arc" or "reuse" (any case).
     pub eviction_policy: Option<String>,
     /// Directory of the shared region.
     pub region_dir: Option<PathBuf>,
@@ -137,7 +137,7 @@ pub struct FileTier {
     pub kind: String,
     /// Its capacity in bytes (for a Redis tier: how much of the store this node tracks).
     pub capacity_bytes: u64,
-    /// Its eviction policy: "lru" (the default) or "arc" (any case).
+    /// Its eviction policy: "lru" (the default), "arc" or "reuse" (any case).
     pub eviction_policy: Option<String>,
     /// File tier: its directory (a temporary one when absent).
     pub path: Option<PathBuf>,
@@ -304,13 +304,15 @@ pub fn parse_policy(s: &str) -> Option<PolicyKind> {
     match s.to_ascii_lowercase().as_str() {
         "lru" => Some(PolicyKind::Lru),
         "arc" => Some(PolicyKind::Arc),
+        "reuse" => Some(PolicyKind::Reuse),
         _ => None,
     }
 }
 
 /// The policy `p` names, or an error naming `field`.
 fn policy_named(field: &str, p: &str) -> Result<PolicyKind, String> {
-    parse_policy(p).ok_or_else(|| format!("{field}: expected \"lru\" or \"arc\", got {p:?}"))
+    parse_policy(p)
+        .ok_or_else(|| format!("{field}: expected \"lru\", \"arc\" or \"reuse\", got {p:?}"))
 }
 
 impl FileSettings {

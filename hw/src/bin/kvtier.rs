@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvtier_core::PolicyKind;
 use kvtier_hw::bench::{
     self, BenchError, BenchSettings, FileSettings, NodeProgress, Progress, Request, Synthetic,
     TierSettings, TraceLimits,
@@ -59,9 +60,16 @@ struct BenchArgs {
     #[arg(long, value_parser = bench::parse_bytes)]
     block_bytes: Option<u64>,
     /// Eviction policy of the primary tier (secondary tiers take theirs from the
-    /// configuration, LRU by default).
-    #[arg(long, ignore_case = true, value_parser = ["lru", "arc"])]
-    policy: Option<String>,
+    /// configuration, LRU by default). Several, comma-separated (`lru,arc,reuse`): a policy
+    /// sweep, as with --fraction.
+    #[arg(long, ignore_case = true, value_delimiter = ',', value_parser = ["lru", "arc", "reuse"])]
+    policy: Vec<String>,
+    /// A policy sweep: replay the workload through the core's primary alone (no IO) with
+    /// vLLM 0.33's call sequence, for each --policy (default all three) at each capacity,
+    /// given as fractions of the workload's distinct blocks (`0.025,0.05,0.1`), and print
+    /// the hit ratios as a table beside Belady's optimum.
+    #[arg(long, value_delimiter = ',', value_name = "F,..")]
+    fraction: Vec<f64>,
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
     requests: Option<usize>,
@@ -91,6 +99,7 @@ impl BenchArgs {
             tiers,
             block_bytes,
             policy,
+            fraction: _,
             requests,
             nodes,
             node: _,
@@ -118,7 +127,7 @@ impl BenchArgs {
         if let Some(b) = block_bytes {
             c.arg("--block-bytes").arg(b.to_string());
         }
-        if let Some(p) = policy {
+        if let Some(p) = policy.first() {
             c.arg("--policy").arg(p);
         }
         if let Some(n) = requests {
@@ -202,7 +211,7 @@ fn settings(args: &BenchArgs) -> Result<BenchSettings, BenchError> {
     if let Some(b) = args.block_bytes {
         settings.block_bytes = usize::try_from(b).unwrap_or(usize::MAX);
     }
-    if let Some(p) = &args.policy {
+    if let Some(p) = args.policy.first() {
         settings.policy = bench::parse_policy(p).expect("clap checked the value");
     }
     settings.validate()?;
@@ -244,6 +253,9 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
         return node_run(&args, &settings, node, stop);
     }
     let requests = workload(&args)?;
+    if !args.fraction.is_empty() || args.policy.len() > 1 {
+        return sweep_run(&args, &requests);
+    }
     if args.nodes > 1 {
         return nodes_run(&args, &requests, stop);
     }
@@ -252,6 +264,31 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
     progress.bar.finish_and_clear();
     let report = report?;
     output(&report, args.json, report.wrong_blocks)
+}
+
+/// `--policy a,b --fraction x,y`: the policy sweep's table.
+fn sweep_run(args: &BenchArgs, requests: &[Request]) -> Result<(), BenchError> {
+    if args.nodes > 1 {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: "--nodes: a policy sweep replays the primary alone, on one node".into(),
+        });
+    }
+    let policies: Vec<_> = if args.policy.is_empty() {
+        vec![PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse]
+    } else {
+        let named = args.policy.iter();
+        named
+            .map(|p| bench::parse_policy(p).expect("clap checked the value"))
+            .collect()
+    };
+    let fractions = if args.fraction.is_empty() {
+        vec![0.025, 0.05, 0.1]
+    } else {
+        args.fraction.clone()
+    };
+    let report = bench::sweep(requests, &policies, &fractions)?;
+    output(&report, args.json, 0)
 }
 
 /// The parent of a run of several nodes: starts them, prints their combined report.

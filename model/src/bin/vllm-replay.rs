@@ -17,6 +17,7 @@ use std::process::{Command, ExitCode};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use kvtier_core::PolicyKind;
 use kvtier_model::oracle::{self, Policy, VllmOracle};
 use kvtier_model::replay::{
     self, CoreEngine, OracleEngine, ReplayError, Setup, Totals, Trace, core_keys, lockstep,
@@ -27,6 +28,8 @@ use kvtier_model::replay::{
 enum PolicyArg {
     Lru,
     Arc,
+    /// kvtier's reuse-aware LRU (the core alone: vLLM has no such policy).
+    Reuse,
 }
 
 /// Replays a Mooncake-format trace (JSON lines with `hash_ids`) through kvtier-core with
@@ -102,8 +105,17 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
     let policy = match args.policy {
         PolicyArg::Lru => Policy::Lru,
         PolicyArg::Arc => Policy::Arc,
+        PolicyArg::Reuse => Policy::Lru,
     };
     let mut setup = Setup::primary(policy, trace.capacity(args.fraction));
+    if let PolicyArg::Reuse = args.policy {
+        if args.compare || args.time.is_some() {
+            return Err(fail(
+                "vLLM has no reuse-aware LRU: --policy reuse replays the core alone".into(),
+            ));
+        }
+        setup.core_policy = PolicyKind::Reuse;
+    }
     setup.block_tokens = args.block_tokens;
     setup.tiers = vec![trace.capacity(args.tier_fraction); args.tiers];
     out(format_args!(
@@ -112,7 +124,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
         trace.requests.len(),
         trace.blocks(),
         distinct,
-        policy,
+        setup.core_policy,
         setup.num_blocks,
         setup.tiers
     ));
