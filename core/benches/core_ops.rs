@@ -150,9 +150,10 @@ fn memory_report() {
             );
         }
         if policy == PolicyKind::Reuse {
-            // Fill the ghost (6 × the capacity of distinct evicted keys), the worst case.
+            // Fill both ghost generations, the worst case.
             let mut next = u64::from(SLOTS);
-            let ghosts = kvtier_core::policy::GHOST_CAPACITIES as u64 * u64::from(SLOTS);
+            let ghosts =
+                2 * kvtier_core::policy::GHOST_GENERATION_CAPACITIES as u64 * u64::from(SLOTS);
             for _ in 0..(ghosts / BATCH) {
                 let ks = batch(next);
                 next += BATCH;
@@ -163,7 +164,7 @@ fn memory_report() {
             let full = LIVE.load(Ordering::Relaxed);
             let per_slot = (full - before - keys) as f64 / f64::from(SLOTS);
             eprintln!(
-                "memory Reuse with its ghost full ({ghosts} keys): {per_slot:.1} bytes of metadata per slot beyond {KEY_BYTES} key bytes"
+                "memory Reuse with its ghost full ({ghosts} keys evicted): {per_slot:.1} bytes of metadata per slot beyond {KEY_BYTES} key bytes"
             );
         }
         drop(m);

@@ -121,8 +121,9 @@ enum Recency {
         placed: u64,
         /// `4 × cap`.
         bonus: u64,
-        /// The last distinct evicted keys, oldest first, at most `6 × cap`.
-        ghost: Vec<Key>,
+        /// Two generations of distinct evicted keys; `current` takes them, up to `4 × cap`.
+        ghosts: [Vec<Key>; 2],
+        current: usize,
         cap: usize,
     },
 }
@@ -225,7 +226,8 @@ impl Recency {
                 clock: 0,
                 placed: 0,
                 bonus: 4 * cap as u64,
-                ghost: Vec::new(),
+                ghosts: [Vec::new(), Vec::new()],
+                current: 0,
                 cap,
             },
         }
@@ -257,11 +259,11 @@ impl Recency {
                 clock,
                 placed,
                 bonus,
-                ghost,
+                ghosts,
                 ..
             } => {
                 // U1: back after an eviction → reused.
-                let class = if ghost.contains(key) {
+                let class = if ghosts.iter().any(|g| g.contains(key)) {
                     ReuseClass::Reused
                 } else {
                     ReuseClass::New
@@ -507,18 +509,21 @@ impl Recency {
             }
             Recency::Reuse {
                 entries,
-                ghost,
+                ghosts,
+                current,
                 cap,
                 ..
             } => {
-                // U6: each victim is remembered once, the oldest forgotten past 6 × cap.
+                // U6: a victim neither generation holds goes into the current one; when that
+                // has 4 × cap keys, the other is emptied and becomes the current one.
                 for v in victims {
-                    if entries.remove(v).is_some() && !ghost.contains(v) {
-                        ghost.push(v.clone());
+                    if entries.remove(v).is_some() && !ghosts.iter().any(|g| g.contains(v)) {
+                        ghosts[*current].push(v.clone());
+                        if ghosts[*current].len() == 4 * *cap {
+                            *current = 1 - *current;
+                            ghosts[*current].clear();
+                        }
                     }
-                }
-                while ghost.len() > 6 * *cap {
-                    ghost.remove(0);
                 }
             }
         }

@@ -71,11 +71,6 @@ impl<const N: usize> Lists<N> {
         self.links.reserve_exact(n.saturating_sub(self.links.len()));
     }
 
-    /// Ids the link table has room for (8 bytes each).
-    pub(crate) fn capacity_ids(&self) -> usize {
-        self.links.capacity()
-    }
-
     pub(crate) fn len(&self, list: usize) -> usize {
         self.len[list]
     }
