@@ -18,8 +18,9 @@ pub enum PolicyKind {
     Lru,
     /// vLLM's simplified adaptive replacement cache (T1/T2 with ghost lists B1/B2).
     Arc,
-    /// kvtier's reuse-aware LRU (rules U1–U7): new request tails go first, and blocks reused
-    /// or back after an eviction outlive new ones by four turnovers of the cache.
+    /// kvtier's reuse-aware LRU (rules U1–U8), for the primary only: new request tails go
+    /// first, and blocks reused or back after an eviction outlive new ones by four turnovers
+    /// of the cache.
     Reuse,
 }
 
@@ -153,6 +154,13 @@ impl Config {
                 return bad(
                     &format!("tiers[{i}].capacity_blocks"),
                     "must be at most 536870910",
+                );
+            }
+            if t.policy == PolicyKind::Reuse {
+                return bad(
+                    &format!("tiers[{i}].policy"),
+                    "the reuse-aware LRU learns from requests' finishes, which only the primary \
+                     sees: a secondary tier takes Lru or Arc",
                 );
             }
             if t.max_outstanding_stores == 0 {

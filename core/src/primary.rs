@@ -75,6 +75,8 @@ const SEEN: u8 = 1;
 const INSERTED: u8 = 2;
 const REUSED: u8 = 4;
 const MISSED: u8 = 8;
+/// Inserted by a promotion (the request's lookup found the block in a secondary tier).
+const PROMOTED: u8 = 32;
 /// Set while a call collects its keys to store, to take each once.
 const QUEUED: u8 = 16;
 
@@ -486,6 +488,8 @@ impl Primary {
             let e = &access.keys[i as usize];
             let used = if e.flags & REUSED != 0 {
                 Use::Reused
+            } else if e.flags & PROMOTED != 0 {
+                Use::Promoted
             } else if e.flags & INSERTED != 0 {
                 Use::Inserted
             } else {
@@ -832,6 +836,9 @@ impl Primary {
             // L1: ranked in the request's run when the request gave the key a position.
             let e = &mut access.keys[i as usize];
             e.flags |= INSERTED;
+            if state == SlotState::Promoting {
+                e.flags |= PROMOTED;
+            }
             e.slot = s;
             match e.position {
                 Some(position) => {

@@ -1,6 +1,6 @@
 //! Rule ★7 for configuration: an invalid value is a typed error naming the field.
 
-use kvtier_core::{Config, ConfigError, Manager, ReuseFilter, TierConfig, TierKind};
+use kvtier_core::{Config, ConfigError, Manager, PolicyKind, ReuseFilter, TierConfig, TierKind};
 
 /// A way to break one field of a valid config.
 type Breaker = Box<dyn Fn(&mut Config)>;
@@ -41,6 +41,10 @@ fn invalid_fields_are_named() {
         (
             "tiers[1].absent_ttl_steps",
             Box::new(|c| c.tiers[1].absent_ttl_steps = 0),
+        ),
+        (
+            "tiers[1].policy",
+            Box::new(|c| c.tiers[1].policy = PolicyKind::Reuse),
         ),
         (
             "promotion_cooldown_steps",

@@ -61,14 +61,11 @@ impl TieringModel {
         m
     }
 
-    /// As [`TieringModel::ci`], with kvtier's reuse-aware LRU (U1–U8) for the primary and
-    /// both tiers, explored in CI to a depth bound.
+    /// As [`TieringModel::ci`], with kvtier's reuse-aware LRU (U1–U8) for the primary (the
+    /// tiers keep LRU), explored in CI to a depth bound.
     pub fn ci_reuse() -> Self {
         let mut m = Self::ci();
         m.config.policy = PolicyKind::Reuse;
-        for t in &mut m.config.tiers {
-            t.policy = PolicyKind::Reuse;
-        }
         m
     }
 

@@ -298,7 +298,8 @@ impl ConfigChoice {
                 TierKind::Authoritative
             };
             let mut t = TierConfig::new(kind, 1 + u32::from((self.capacities >> (4 * i)) % 3));
-            t.policy = policy(bits >> 1); // bits 1 and 2 of the tier's three
+            // Bit 1 of the tier's three: ARC or LRU (the reuse-aware LRU is the primary's only).
+            t.policy = policy((bits >> 1) & 1);
             t.max_outstanding_stores = 1 + u32::from((self.bounds >> i) & 1);
             t.max_outstanding_probes = 1 + u32::from((self.bounds >> (2 + i)) & 1);
             t.absent_ttl_steps = 1 + u32::from((self.misc >> 4) % 3);

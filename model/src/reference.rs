@@ -47,6 +47,8 @@ struct Record {
     seen: Vec<Key>,
     /// Keys its stores (or promotions) put in `to_store` and allocated (R4).
     inserted: Vec<Key>,
+    /// Of those, the keys its promotions allocated (U4: a promoted block is read back).
+    promoted: Vec<Key>,
     /// Keys it read, except keys it had inserted by then (R4).
     reused: Vec<Key>,
     /// Keys that went to the policy as this request's store misses (R5).
@@ -111,7 +113,7 @@ enum Recency {
         p: f64,
         cap: usize,
     },
-    /// The reuse-aware LRU (U1–U7).
+    /// The reuse-aware LRU (U1–U8), the primary's only.
     Reuse {
         /// Every resident key's class, due time and the order it took them in.
         entries: BTreeMap<Key, ReuseEntry>,
@@ -405,8 +407,10 @@ impl Recency {
                     let Some(e) = entries.get(key) else {
                         continue;
                     };
-                    let inserted_only =
-                        record.inserted.contains(key) && !record.reused.contains(key);
+                    // Promoted blocks are read back: reused, like loaded ones.
+                    let inserted_only = record.inserted.contains(key)
+                        && !record.reused.contains(key)
+                        && !record.promoted.contains(key);
                     let class = if !inserted_only || e.class == ReuseClass::Reused {
                         ReuseClass::Reused
                     } else if i == 0 {
@@ -952,6 +956,9 @@ impl RefModel {
             self.recency.insert(k, Some(&mut *record));
         }
         record.inserted.extend(to_store.iter().cloned());
+        if state == State::Promoting {
+            record.promoted.extend(to_store.iter().cloned());
+        }
         Ok((slots, victims))
     }
 

@@ -180,7 +180,7 @@ impl EvictionPolicy for ArcPolicy {
             return;
         };
         match (used, self.resident.list_of(id)) {
-            (Use::Inserted, Some(list)) => self.resident.move_to_back(list, id),
+            (Use::Inserted | Use::Promoted, Some(list)) => self.resident.move_to_back(list, id),
             (Use::Reused, Some(_)) => self.resident.move_to_back(T2, id),
             _ => {}
         }

@@ -36,8 +36,12 @@ pub enum Use {
     Inserted,
     /// The request read the block (a load, or an offer of a block already Ready).
     Reused,
-    /// Neither: the request only saw the key (for example, offered while its store was in
-    /// flight).
+    /// The request's lookup promoted the block from a secondary tier: a block stored
+    /// earlier, which the request is reading back (the policies of vLLM 0.33 count it as
+    /// inserted).
+    Promoted,
+    /// None of these: the request only saw the key (for example, offered to a store that was
+    /// refused for lack of room).
     Seen,
 }
 

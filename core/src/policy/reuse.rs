@@ -187,16 +187,23 @@ impl ReusePolicy {
     }
 
     /// See `Policy::write_canonical`: the lists in eviction order, each entry with its due
-    /// time relative to the clock (times at or before the clock are all alike to anything
-    /// that comes later, so they are written as 0: the order keeps their difference), then
-    /// the ghost's generations.
+    /// time relative to the clock (times before the clock are all alike to anything placed
+    /// later, so they are written as 0: the order keeps their difference), then the ghost's
+    /// generations.
     pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
         out.push_str("reuse[");
         let mut victims = Vec::new();
         self.select(self.len(), &mut |_| true, &mut victims);
         for id in victims {
             let class = ["t", "n", "r"][self.lists.list_of(id).expect("resident")];
-            let rel = self.due[id as usize].saturating_sub(self.clock);
+            // Due before the clock: below anything placed later (0); at or after it: placed
+            // later entries compare to it (1 + the difference).
+            let due = self.due[id as usize];
+            let rel = if due < self.clock {
+                0
+            } else {
+                1 + due - self.clock
+            };
             let _ = write!(out, "{}/{class}{rel},", name(id));
         }
         // The ghost: which generation is current, how many keys it took, and each
@@ -247,7 +254,7 @@ impl EvictionPolicy for ReusePolicy {
             return;
         };
         match used {
-            Use::Reused | Use::Seen => self.reuse(id),
+            Use::Reused | Use::Promoted | Use::Seen => self.reuse(id),
             Use::Inserted if self.lists.list_of(id) == Some(REUSED) => self.reuse(id),
             Use::Inserted if tail => self.place(id, TAIL, self.clock),
             Use::Inserted => self.place(id, NEW, self.clock),
@@ -400,11 +407,12 @@ mod tests {
             &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)],
         );
         assert_eq!(order(&p), [2, 1, 0], "tail, then deepest first");
-        // A second request reuses 0 and 1 and stores 3 (its tail).
+        // A second request reuses 0, promotes 1 back from a tier (read back: reused too) and
+        // stores 3 (its tail).
         p.insert(3, &k(3));
         finish(
             &mut p,
-            &[(0, Use::Reused), (1, Use::Reused), (3, Use::Inserted)],
+            &[(0, Use::Reused), (1, Use::Promoted), (3, Use::Inserted)],
         );
         assert_eq!(order(&p), [2, 3, 1, 0], "tails oldest first, reused last");
     }

@@ -293,7 +293,14 @@ impl FileTier {
             }
         };
         if let Some(p) = &self.eviction_policy {
-            tier.policy = policy_named(&field("eviction_policy"), p)?;
+            let name = field("eviction_policy");
+            tier.policy = policy_named(&name, p)?;
+            if tier.policy == PolicyKind::Reuse {
+                return Err(format!(
+                    "{name}: \"reuse\" is the primary's only (it learns from requests' \
+                     finishes); a secondary tier takes \"lru\" or \"arc\""
+                ));
+            }
         }
         Ok(tier)
     }
@@ -652,6 +659,16 @@ fsync = "write"
         assert!(
             err.to_string()
                 .contains("secondary_tiers[0].eviction_policy"),
+            "{err}"
+        );
+        let primary_only = bad.replace("mru", "reuse");
+        let err = FileSettings::parse(&primary_only, Path::new("c.toml"))
+            .unwrap()
+            .apply(&mut BenchSettings::default(), Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("secondary_tiers[0].eviction_policy") && err.contains("primary's only"),
             "{err}"
         );
     }
