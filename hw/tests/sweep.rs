@@ -1,0 +1,69 @@
+//! `kvtier bench --policy a,b --fraction x,y`: the policy sweep, end to end through the CLI.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn excerpt() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/mooncake-excerpt.jsonl")
+}
+
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .arg("bench")
+        .arg("--trace")
+        .arg(excerpt())
+        .args(args)
+        .output()
+        .expect("the kvtier binary runs")
+}
+
+#[test]
+fn a_sweep_reports_every_policy_at_every_capacity() {
+    let out = bench(&["--fraction", "0.05,0.1", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2);
+    let blocks = report["blocks"].as_u64().expect("blocks");
+    for row in rows {
+        let optimum = row["optimum"].as_u64().expect("optimum");
+        let cells = row["cells"].as_array().expect("cells");
+        let names: Vec<&str> = cells
+            .iter()
+            .map(|c| c["policy"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["lru", "arc", "reuse"], "every policy by default");
+        for c in cells {
+            let hits = c["hits"].as_u64().expect("hits");
+            assert!(
+                hits > 0 && hits <= optimum && optimum <= blocks,
+                "{c} vs {optimum}"
+            );
+        }
+    }
+    // The same replay gives the same figures: a table, with the policies asked for.
+    let text = bench(&["--policy", "reuse,lru", "--fraction", "0.05"]);
+    assert!(text.status.success());
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("reuse") && text.contains("optimum"), "{text}");
+    let reuse_hits = rows[0]["cells"][2]["hits"].as_u64().unwrap();
+    let ratio = format!("{:.4}", reuse_hits as f64 / blocks as f64);
+    assert!(text.contains(&ratio), "{ratio} not in\n{text}");
+}
+
+#[test]
+fn a_bad_capacity_or_several_nodes_are_refused() {
+    for (args, message) in [
+        (&["--fraction", "1.5"][..], "--fraction"),
+        (&["--fraction", "0.05", "--nodes", "2"][..], "--nodes"),
+    ] {
+        let out = bench(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} accepted");
+        assert!(err.contains(message), "{args:?}: {err}");
+    }
+}
