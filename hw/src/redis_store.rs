@@ -83,7 +83,6 @@ use std::time::{Duration, Instant};
 use kvtier_core::{Key, TierKind};
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, ErrorKind, RedisError, RetryMethod, TlsCertificates, Value};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::store::{SecondaryStore, StoreError};
 
@@ -1018,10 +1017,7 @@ impl redis::ToRedisArgs for BlockValue<'_> {
 
 /// XXH3-64 of a key and its block.
 fn checksum(key: &[u8], block: &[u8]) -> u64 {
-    let mut h = Xxh3::new();
-    h.update(key);
-    h.update(block);
-    h.digest()
+    crate::checksum::xxh3_64(&[key, block])
 }
 
 /// Checks `value` as `key`'s block and copies the block into `out`.
