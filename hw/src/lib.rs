@@ -14,6 +14,7 @@
 //! Architecture invariant: only the driver thread calls the core; IO threads only push
 //! completions onto a [`Queue`].
 
+mod checksum;
 mod driver;
 mod engine;
 mod faulty;

@@ -15,8 +15,8 @@ use std::path::PathBuf;
 
 pub use belady::optimal_hits;
 pub use nodes::{
-    MAX_NODES, NodeProgress, NodeSummary, NodesReport, PARENT_ENV, Tracked, conversations,
-    follow_parent, node_share, nodes_of, run_nodes, send_report,
+    Conversations, MAX_NODES, NodeProgress, NodeSummary, NodesReport, PARENT_ENV, STOP_GRACE,
+    Tracked, conversations, follow_parent, node_share, nodes_of, run_nodes, send_report,
 };
 pub use run::{Progress, Promotions, Report, TierReport, run};
 pub use settings::{
@@ -25,7 +25,8 @@ pub use settings::{
 pub use sweep::{SweepCell, SweepReport, SweepRow, sweep};
 pub use temp::{TEMP_TIER_PREFIX, sweep_temporary_tiers};
 pub use workload::{
-    Request, Synthetic, TraceLimits, parse_trace, parse_trace_with, read_trace, read_trace_with,
+    Request, Synthetic, TraceLimits, parse_trace, parse_trace_keeping, parse_trace_with,
+    read_trace, read_trace_keeping, read_trace_with,
 };
 
 /// An error of the bench: bad input, or the hardware layer failing.

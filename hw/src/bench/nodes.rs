@@ -53,26 +53,41 @@ pub const PARENT_ENV: &str = "KVTIER_BENCH_PARENT";
 /// others (its own words all fit in its partial last block), a later request on that prefix
 /// is taken for its next turn.
 pub fn conversations(requests: &[Request]) -> Vec<u32> {
-    // (position, block id) of each request's last kept block → its conversation.
-    let mut ends: HashMap<(usize, u64), u32> = HashMap::new();
-    let mut next = 0u32;
-    requests
-        .iter()
-        .map(|r| {
-            let found = (0..r.blocks.len())
-                .rev()
-                .find_map(|p| ends.get(&(p, r.blocks[p])).copied());
-            let c = found.unwrap_or_else(|| {
-                next += 1;
-                next - 1
-            });
-            let kept = r.blocks.len() - usize::from(r.partial_last && !r.blocks.is_empty());
-            if kept > 0 {
-                ends.insert((kept - 1, r.blocks[kept - 1]), c);
-            }
-            c
-        })
-        .collect()
+    let mut c = Conversations::default();
+    requests.iter().map(|r| c.of(r)).collect()
+}
+
+/// [`conversations`] one request at a time, in the workload's order: a node reading a
+/// trace keeps only its own requests, and what this keeps of the others is one entry each.
+#[derive(Default)]
+pub struct Conversations {
+    /// (position, block id) of each request's last kept block → its conversation.
+    ends: HashMap<(usize, u64), u32>,
+    next: u32,
+}
+
+impl Conversations {
+    /// The conversation of `r`, the request after those already given.
+    pub fn of(&mut self, r: &Request) -> u32 {
+        let found = (0..r.blocks.len())
+            .rev()
+            .find_map(|p| self.ends.get(&(p, r.blocks[p])).copied());
+        let c = found.unwrap_or_else(|| {
+            self.next += 1;
+            self.next - 1
+        });
+        let kept = r.blocks.len() - usize::from(r.partial_last && !r.blocks.is_empty());
+        if kept > 0 {
+            self.ends.insert((kept - 1, r.blocks[kept - 1]), c);
+        }
+        c
+    }
+
+    /// Whether `r`, the request after those already given, is node `node`'s of `nodes`
+    /// (as [`nodes_of`] deals them).
+    pub fn is_nodes(&mut self, r: &Request, node: u32, nodes: u32) -> bool {
+        self.of(r) % nodes.max(1) == node
+    }
 }
 
 /// The node (of `nodes`) that replays each request: conversation `c` goes to node
@@ -456,7 +471,8 @@ enum Heard {
     Line(u32, In),
     Garbled(u32, String),
     Log(u32, String),
-    Closed,
+    /// Node `i`'s stdout or stderr closed.
+    Closed(u32),
 }
 
 /// The nodes' processes: stopped (SIGTERM, then SIGKILL after a grace period) when dropped.
@@ -481,6 +497,20 @@ impl Nodes {
         }
         self.0.iter().all(|(_, s)| s.is_some())
     }
+
+    /// Kills (SIGKILL) every node still running and waits for it; the indices of those it
+    /// killed.
+    fn kill_live(&mut self) -> Vec<u32> {
+        let mut killed = Vec::new();
+        for (i, (child, status)) in self.0.iter_mut().enumerate() {
+            if status.is_none() {
+                let _ = child.kill();
+                *status = child.wait().ok();
+                killed.push(i as u32);
+            }
+        }
+        killed
+    }
 }
 
 impl Drop for Nodes {
@@ -490,16 +520,22 @@ impl Drop for Nodes {
         }
         self.signal_live(nix::sys::signal::Signal::SIGTERM);
         let start = Instant::now();
-        while !self.reap() && start.elapsed() < Duration::from_secs(30) {
+        while !self.reap() && start.elapsed() < STOP_GRACE {
             std::thread::sleep(Duration::from_millis(20));
         }
-        for (child, status) in &mut self.0 {
-            if status.is_none() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
+        self.kill_live();
     }
+}
+
+/// How long the nodes have to end after a stop (SIGTERM: an interrupt, or a node that
+/// failed) before they are killed (SIGKILL).
+pub const STOP_GRACE: Duration = Duration::from_secs(30);
+
+/// `nodes` as "node 1" or "nodes 0, 2".
+fn node_list(nodes: &[u32]) -> String {
+    let list: Vec<String> = nodes.iter().map(u32::to_string).collect();
+    let noun = if nodes.len() == 1 { "node" } else { "nodes" };
+    format!("{noun} {}", list.join(", "))
 }
 
 /// Runs `nodes` node processes, `command(i)` being node `i`'s (its program and arguments; this
@@ -507,13 +543,25 @@ impl Drop for Nodes {
 ///
 /// Each node runs in its own process group, so a Ctrl-C at the terminal reaches the parent
 /// alone; when `progress` asks to stop, the parent sends SIGTERM to every node (each ends its
-/// jobs and removes its files) and answers [`BenchError::Interrupted`]. A node's log lines
-/// (its stderr) go to [`Progress::log`] prefixed with `node i:`. A node that fails is
-/// [`BenchError::Node`], after every node has ended.
+/// jobs and removes its files) and answers [`BenchError::Interrupted`]. A node that fails
+/// (it ends unsuccessfully without a report) stops the others the same way and is
+/// [`BenchError::Node`]. After a stop, the nodes that have not ended within [`STOP_GRACE`]
+/// are killed, and the log and the error name them. A node's log lines (its stderr) go to
+/// [`Progress::log`] prefixed with `node i:`.
 pub fn run_nodes(
     nodes: u32,
     command: &dyn Fn(u32) -> Command,
     progress: &mut dyn Progress,
+) -> Result<NodesReport, BenchError> {
+    run_nodes_within(nodes, command, progress, STOP_GRACE)
+}
+
+/// [`run_nodes`], the nodes given `grace` to end after a stop.
+fn run_nodes_within(
+    nodes: u32,
+    command: &dyn Fn(u32) -> Command,
+    progress: &mut dyn Progress,
+    grace: Duration,
 ) -> Result<NodesReport, BenchError> {
     let start = Instant::now();
     let (tx, rx) = mpsc::channel();
@@ -544,7 +592,7 @@ pub fn run_nodes(
                     };
                     let _ = tx.send(heard);
                 }
-                let _ = tx.send(Heard::Closed);
+                let _ = tx.send(Heard::Closed(i));
             }));
         }
         if let Some(err) = err {
@@ -553,7 +601,7 @@ pub fn run_nodes(
                 for line in BufReader::new(err).lines().map_while(Result::ok) {
                     let _ = tx.send(Heard::Log(i, line));
                 }
-                let _ = tx.send(Heard::Closed);
+                let _ = tx.send(Heard::Closed(i));
             }));
         }
     }
@@ -563,11 +611,45 @@ pub fn run_nodes(
     let mut totals = vec![0u64; n];
     let mut results: Vec<Option<(NodeSummary, serde_json::Value)>> = vec![None; n];
     let mut open_pipes = readers.len();
-    let mut stopped = false;
-    while open_pipes > 0 || !children.reap() {
-        if progress.stop_requested() && !stopped {
-            stopped = true;
+    // Each node's pipes still open: its report, if it sent one, was heard once they closed.
+    let mut node_pipes = vec![2u8; n];
+    // When the nodes were told to stop, and the first node that failed (it ended
+    // unsuccessfully without a report), if one did.
+    let mut stopped: Option<Instant> = None;
+    let mut failed: Option<u32> = None;
+    let mut killed = Vec::new();
+    loop {
+        let ended = children.reap();
+        if ended && open_pipes == 0 {
+            break;
+        }
+        // After a stop, nodes end unsuccessfully because of it: none of them is the failure.
+        if failed.is_none() && stopped.is_none() {
+            failed = children
+                .0
+                .iter()
+                .zip(&results)
+                .zip(&node_pipes)
+                .position(|(((_, status), r), &pipes)| {
+                    status.is_some_and(|s| !s.success()) && pipes == 0 && r.is_none()
+                })
+                .map(|i| i as u32);
+        }
+        if stopped.is_none() && (progress.stop_requested() || failed.is_some()) {
+            stopped = Some(Instant::now());
             children.signal_live(nix::sys::signal::Signal::SIGTERM);
+        }
+        if stopped.is_some_and(|t| t.elapsed() >= grace) {
+            if !ended {
+                killed = children.kill_live();
+                progress.log(&format!(
+                    "{} did not end within {grace:?} of the stop: killed",
+                    node_list(&killed)
+                ));
+            }
+            // A pipe that something else still holds open (a process a node started) is
+            // not waited for.
+            break;
         }
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(Heard::Line(i, In::Progress { done: d, total })) => {
@@ -581,7 +663,10 @@ pub fn run_nodes(
             }
             Ok(Heard::Garbled(i, line)) => progress.log(&format!("node {i}: {line}")),
             Ok(Heard::Log(i, line)) => progress.log(&format!("node {i}: {line}")),
-            Ok(Heard::Closed) => open_pipes -= 1,
+            Ok(Heard::Closed(i)) => {
+                open_pipes -= 1;
+                node_pipes[i as usize] -= 1;
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             // Every pipe closed: only the exits are left to wait for.
             Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -590,10 +675,31 @@ pub fn run_nodes(
             }
         }
     }
-    for r in readers {
-        let _ = r.join();
+    if open_pipes == 0 {
+        for r in readers {
+            let _ = r.join();
+        }
     }
-    if stopped || progress.stop_requested() {
+    let killed_note = if killed.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; {} did not end within {grace:?} of the stop and were killed",
+            node_list(&killed)
+        )
+    };
+    if let Some(node) = failed {
+        let (_, status) = &children.0[node as usize];
+        let status = status.expect("a failed node was reaped");
+        return Err(BenchError::Node {
+            node,
+            nodes,
+            reason: format!(
+                "{status} (its messages above start with \"node {node}:\"); the other nodes were stopped{killed_note}"
+            ),
+        });
+    }
+    if stopped.is_some() || progress.stop_requested() {
         return Err(BenchError::Interrupted {
             done: done.iter().sum(),
             total: totals.iter().sum(),
@@ -649,14 +755,19 @@ mod tests {
         r.blocks[system_blocks] >> 20
     }
 
-    #[test]
-    fn the_split_is_deterministic_keeps_conversations_whole_and_spreads_them() {
-        let s = Synthetic {
-            requests: 2000,
-            conversations: 300,
+    /// A synthetic workload of short conversations.
+    fn short(requests: usize, conversations: u32) -> Synthetic {
+        Synthetic {
+            requests,
+            conversations,
             max_blocks: 24,
             ..Synthetic::default()
-        };
+        }
+    }
+
+    #[test]
+    fn the_split_is_deterministic_keeps_conversations_whole_and_spreads_them() {
+        let s = short(2000, 300);
         let requests = s.generate();
         let sys = s.system_blocks as usize;
         let nodes = nodes_of(&requests, 3);
@@ -695,6 +806,129 @@ mod tests {
         );
         // One node: everything, as it was.
         assert_eq!(node_share(&requests, 0, 1), requests);
+    }
+
+    /// A node reading a trace keeps its own requests alone: the same share, in the same
+    /// order, as dealing the whole trace; `--requests` still counts every request.
+    #[test]
+    fn a_node_reading_a_trace_keeps_its_share_alone() {
+        let mut requests = short(600, 80).generate();
+        // Some requests end with a partial block (their input is not whole blocks).
+        for (i, r) in requests.iter_mut().enumerate() {
+            r.partial_last = i % 3 == 0;
+        }
+        let text: String = requests
+            .iter()
+            .map(|r| {
+                let tokens = r.blocks.len() as u64 * 512 - u64::from(r.partial_last);
+                format!(
+                    "{{\"timestamp\": 0, \"input_length\": {tokens}, \"output_length\": 1, \"hash_ids\": {:?}}}\n",
+                    r.blocks
+                )
+            })
+            .collect();
+        let path = std::path::Path::new("t");
+        for (limit, nodes) in [(usize::MAX, 3), (400, 3), (usize::MAX, 1)] {
+            let limits = crate::bench::TraceLimits {
+                max_requests: limit,
+                ..crate::bench::TraceLimits::default()
+            };
+            let read = requests.len().min(limit);
+            for node in 0..nodes {
+                let mut c = Conversations::default();
+                let share = crate::bench::parse_trace_keeping(text.as_bytes(), path, limits, |r| {
+                    c.is_nodes(r, node, nodes)
+                })
+                .unwrap();
+                assert_eq!(
+                    share,
+                    node_share(&requests[..read], node, nodes),
+                    "node {node}"
+                );
+            }
+        }
+    }
+
+    /// A log of what `run_nodes` says; it asks to stop once every file of `stop_when` exists
+    /// (the nodes that write them are ready for the signal).
+    struct Heard {
+        stop_when: Option<Vec<std::path::PathBuf>>,
+        lines: Vec<String>,
+    }
+
+    impl Progress for Heard {
+        fn update(&mut self, _: u64, _: u64) {}
+        fn stop_requested(&self) -> bool {
+            self.stop_when
+                .as_ref()
+                .is_some_and(|files| files.iter().all(|f| f.exists()))
+        }
+        fn log(&mut self, line: &str) {
+            self.lines.push(line.to_owned());
+        }
+    }
+
+    /// Runs one node per script, each `scripts[i]` run by `sh` with `$DIR` a directory of
+    /// the test's, given 300 ms to end after a stop; when `stop_when` names files (in
+    /// `$DIR`), an interrupt comes once they all exist. The error, and the lines logged.
+    /// (`exec sleep` leaves no process behind the node, and keeps an ignored SIGTERM
+    /// ignored.)
+    fn run_scripts(scripts: &[&str], stop_when: Option<&[&str]>) -> (BenchError, Vec<String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut heard = Heard {
+            stop_when: stop_when.map(|names| names.iter().map(|n| dir.path().join(n)).collect()),
+            lines: Vec::new(),
+        };
+        let command = |i: u32| {
+            let mut c = Command::new("sh");
+            c.arg("-c").arg(scripts[i as usize]).env("DIR", dir.path());
+            c
+        };
+        let grace = Duration::from_millis(300);
+        let n = scripts.len() as u32;
+        let e = run_nodes_within(n, &command, &mut heard, grace).unwrap_err();
+        (e, heard.lines)
+    }
+
+    /// A node that fails stops the others; one that does not end after the stop is killed
+    /// after the grace period, and the error and the log name it.
+    #[test]
+    fn a_failed_node_stops_the_others_and_one_that_does_not_end_is_killed() {
+        let (e, lines) = run_scripts(
+            &[
+                "trap '' TERM; touch \"$DIR/0\"; exec sleep 60",
+                "exec sleep 60",
+                "until [ -e \"$DIR/0\" ]; do sleep 0.01; done; echo broken >&2; exit 3",
+            ],
+            None,
+        );
+        let BenchError::Node { node, reason, .. } = &e else {
+            panic!("{e}");
+        };
+        assert_eq!(*node, 2, "{e}");
+        assert!(reason.contains("exit status: 3"), "{e}");
+        assert!(
+            reason.contains("node 0 did not end") && reason.contains("killed"),
+            "{e}"
+        );
+        assert!(lines.iter().any(|l| l == "node 2: broken"), "{lines:?}");
+    }
+
+    /// An interrupt: the nodes that do not end after SIGTERM are killed after the grace
+    /// period, and the log names them.
+    #[test]
+    fn after_an_interrupt_nodes_that_do_not_end_are_killed_and_named() {
+        let (e, lines) = run_scripts(
+            &[
+                "exec sleep 60",
+                "trap '' TERM; touch \"$DIR/1\"; exec sleep 60",
+                "trap '' TERM; touch \"$DIR/2\"; exec sleep 60",
+            ],
+            Some(&["1", "2"]),
+        );
+        assert!(matches!(e, BenchError::Interrupted { .. }), "{e}");
+        let killed = |l: &String| l.starts_with("nodes 1, 2 did not end") && l.ends_with("killed");
+        assert!(lines.iter().any(killed), "{lines:?}");
     }
 
     #[test]

@@ -53,7 +53,8 @@ pub struct TraceLimits {
     pub max_requests: usize,
     /// Bytes of one line at most: a longer line is an error, not an unbounded allocation.
     pub max_line_bytes: usize,
-    /// Bytes of memory the requests read may take at most.
+    /// Bytes of memory the requests kept (every request read, unless a filter keeps fewer:
+    /// [`read_trace_keeping`]) may take at most.
     pub max_memory_bytes: u64,
 }
 
@@ -76,12 +77,22 @@ pub fn read_trace(path: &Path) -> Result<Vec<Request>, BenchError> {
 
 /// [`read_trace`] within `limits`.
 pub fn read_trace_with(path: &Path, limits: TraceLimits) -> Result<Vec<Request>, BenchError> {
+    read_trace_keeping(path, limits, |_| true)
+}
+
+/// [`read_trace_with`], keeping only the requests `keep` accepts (it is given every request
+/// read, in order): a node of a run of several keeps its own share alone.
+pub fn read_trace_keeping(
+    path: &Path,
+    limits: TraceLimits,
+    keep: impl FnMut(&Request) -> bool,
+) -> Result<Vec<Request>, BenchError> {
     let file = std::fs::File::open(path).map_err(|e| BenchError::Io {
         what: "open trace",
         path: path.to_path_buf(),
         source: e,
     })?;
-    parse_trace_with(std::io::BufReader::new(file), path, limits)
+    parse_trace_keeping(std::io::BufReader::new(file), path, limits, keep)
 }
 
 /// Parses trace lines from `reader` (`path` names it in errors).
@@ -91,11 +102,23 @@ pub fn parse_trace(reader: impl BufRead, path: &Path) -> Result<Vec<Request>, Be
 
 /// [`parse_trace`] within `limits`.
 pub fn parse_trace_with(
-    mut reader: impl BufRead,
+    reader: impl BufRead,
     path: &Path,
     limits: TraceLimits,
 ) -> Result<Vec<Request>, BenchError> {
+    parse_trace_keeping(reader, path, limits, |_| true)
+}
+
+/// [`parse_trace_with`], keeping only the requests `keep` accepts (see
+/// [`read_trace_keeping`]); `limits.max_requests` counts every request read.
+pub fn parse_trace_keeping(
+    mut reader: impl BufRead,
+    path: &Path,
+    limits: TraceLimits,
+    mut keep: impl FnMut(&Request) -> bool,
+) -> Result<Vec<Request>, BenchError> {
     let mut out = Vec::new();
+    let mut read = 0usize;
     let mut line = Vec::new();
     let mut memory = 0u64;
     let bad = |line: usize, reason: String| BenchError::Trace {
@@ -104,7 +127,7 @@ pub fn parse_trace_with(
         reason,
     };
     for i in 1.. {
-        if out.len() >= limits.max_requests {
+        if read >= limits.max_requests {
             break;
         }
         line.clear();
@@ -135,7 +158,15 @@ pub fn parse_trace_with(
             continue;
         }
         let t: TraceLine = serde_json::from_slice(&line).map_err(|e| bad(i, e.to_string()))?;
-        memory += request_bytes(t.hash_ids.len());
+        read += 1;
+        let request = Request {
+            blocks: t.hash_ids,
+            partial_last: !t.input_length.is_multiple_of(TRACE_BLOCK_TOKENS),
+        };
+        if !keep(&request) {
+            continue;
+        }
+        memory += request_bytes(request.blocks.len());
         if memory > limits.max_memory_bytes {
             return Err(bad(
                 i,
@@ -145,12 +176,9 @@ pub fn parse_trace_with(
                 ),
             ));
         }
-        out.push(Request {
-            blocks: t.hash_ids,
-            partial_last: !t.input_length.is_multiple_of(TRACE_BLOCK_TOKENS),
-        });
+        out.push(request);
     }
-    if out.is_empty() {
+    if read == 0 {
         return Err(BenchError::Trace {
             path: path.to_path_buf(),
             line: 0,

@@ -215,7 +215,6 @@ fn settings(args: &BenchArgs) -> Result<BenchSettings, BenchError> {
         settings.policy = bench::parse_policy(p).expect("clap checked the value");
     }
     settings.validate()?;
-    settings.check_nodes(args.nodes)?;
     if args.requests == Some(0) {
         return Err(BenchError::Config {
             path: "-".into(),
@@ -225,7 +224,9 @@ fn settings(args: &BenchArgs) -> Result<BenchSettings, BenchError> {
     Ok(settings)
 }
 
-fn workload(args: &BenchArgs) -> Result<Vec<Request>, BenchError> {
+/// The requests to replay: all of them, or with `node`, that node's share alone (a trace's
+/// other requests are not kept).
+fn workload(args: &BenchArgs, node: Option<u32>) -> Result<Vec<Request>, BenchError> {
     let budget = bench::memory_budget();
     match &args.trace {
         Some(t) => {
@@ -234,7 +235,11 @@ fn workload(args: &BenchArgs) -> Result<Vec<Request>, BenchError> {
                 max_memory_bytes: budget,
                 ..TraceLimits::default()
             };
-            bench::read_trace_with(t, limits)
+            let mut conversations = bench::Conversations::default();
+            bench::read_trace_keeping(t, limits, |r| match node {
+                Some(node) => conversations.is_nodes(r, node, args.nodes),
+                None => true,
+            })
         }
         None => {
             let mut s = Synthetic::default();
@@ -242,7 +247,11 @@ fn workload(args: &BenchArgs) -> Result<Vec<Request>, BenchError> {
                 s.requests = n;
             }
             s.check(budget)?;
-            Ok(s.generate())
+            let requests = s.generate();
+            Ok(match node {
+                Some(node) => bench::node_share(&requests, node, args.nodes),
+                None => requests,
+            })
         }
     }
 }
@@ -252,10 +261,12 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
     if let Some(node) = args.node {
         return node_run(&args, &settings, node, stop);
     }
-    let requests = workload(&args)?;
     if !args.fraction.is_empty() || args.policy.len() > 1 {
-        return sweep_run(&args, &requests);
+        return sweep_run(&args, &workload(&args, None)?);
     }
+    // The parent's check alone: a node would measure memory its siblings already took.
+    settings.check_nodes(args.nodes)?;
+    let requests = workload(&args, None)?;
     if args.nodes > 1 {
         return nodes_run(&args, &requests, stop);
     }
@@ -340,7 +351,7 @@ fn node_run(
             reason: format!("node (--node): {node} is not below --nodes {}", args.nodes),
         });
     }
-    let requests = bench::node_share(&workload(args)?, node, args.nodes);
+    let requests = workload(args, Some(node))?;
     let report = bench::run(
         &settings.for_node(node, args.nodes),
         &requests,

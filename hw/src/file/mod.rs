@@ -68,7 +68,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvtier_core::{Key, TierKind};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::region::{PAGE, page_align};
 use crate::store::{SecondaryStore, StoreError};
@@ -382,21 +381,18 @@ fn file_len(block_bytes: usize, records: u32) -> u64 {
 }
 
 fn checksum(seq: u64, key: &[u8], payload: &[u8]) -> u64 {
-    let mut h = Xxh3::new();
-    h.update(&FORMAT_VERSION.to_le_bytes());
-    h.update(&(key.len() as u32).to_le_bytes());
-    h.update(&(payload.len() as u64).to_le_bytes());
-    h.update(&seq.to_le_bytes());
-    h.update(key);
-    h.update(payload);
-    h.digest()
+    crate::checksum::xxh3_64(&[
+        &FORMAT_VERSION.to_le_bytes(),
+        &(key.len() as u32).to_le_bytes(),
+        &(payload.len() as u64).to_le_bytes(),
+        &seq.to_le_bytes(),
+        key,
+        payload,
+    ])
 }
 
 fn header_checksum(fixed: &[u8], key: &[u8]) -> u64 {
-    let mut h = Xxh3::new();
-    h.update(fixed);
-    h.update(key);
-    h.digest()
+    crate::checksum::xxh3_64(&[fixed, key])
 }
 
 fn le_u32(b: &[u8]) -> u32 {
