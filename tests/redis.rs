@@ -25,7 +25,7 @@ const TIMEOUT: Duration = Duration::from_millis(500);
 /// A bound that one call on a pooled connection breaks only if it does not end near its
 /// deadline (`TIMEOUT` after it starts): a hang check with room for a loaded machine, not a
 /// speed target.
-const CALL: Duration = Duration::from_millis(3 * 500 + 1000); // 3 × TIMEOUT + 1 s
+const CALL: Duration = Duration::from_millis(3 * 500 + 3000); // 3 × TIMEOUT + 3 s
 
 fn content(key: &Key) -> Vec<u8> {
     rig::content(key, BLOCK)

@@ -52,5 +52,17 @@ mod tests {
             let (a, b) = d.split_at(len / 3);
             assert_eq!(xxh3_64(&[a, b]), want, "{len} bytes in two parts");
         }
+        // Many short parts, then long ones (a file tier record: small header fields, the
+        // key, the block), at every split of the first 300 bytes.
+        for len in [64, 300, 20_000, 300_000] {
+            let d = &data[..len];
+            let want = xxhash_rust::xxh3::xxh3_64(d);
+            for cut in (0..len.min(300)).step_by(7) {
+                let (head, tail) = d.split_at(cut);
+                let mut parts: Vec<&[u8]> = head.chunks(5).collect();
+                parts.extend(tail.chunks(4096));
+                assert_eq!(xxh3_64(&parts), want, "{len} bytes cut at {cut}");
+            }
+        }
     }
 }

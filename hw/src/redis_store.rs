@@ -51,7 +51,7 @@
 //! of its own operations bounds how far past the deadline a call can go, against a server
 //! that stops answering (a frozen process, a lost host):
 //!
-//! - single server: **the deadline**. A connect shares the time left between the TCP
+//! - single server: **about the deadline**. A connect shares the time left between the TCP
 //!   connect and the setup (`AUTH`); replies are read one by one, each given the time left
 //!   (the socket's read timeout is set again once it exceeds the time left by more than
 //!   timeout / 64, so a read can end that much after the deadline: a system call before
@@ -60,7 +60,7 @@
 //!   quarter of the time left: the crate's `write_all` waits once more after each part of a
 //!   piece the server's kernel still takes while its buffers fill. Measured with a 500 ms timeout (debug build, loopback):
 //!   a `GET` 0.52 s, 64 probes 0.51 s, 24 MiB of `SET`s 0.48–0.65 s.
-//! - cluster, on a pooled connection: **the deadline**, within the same limits. The crate
+//! - cluster, on a pooled connection: **about the deadline**, within the same limits. The crate
 //!   reads every reply of a pipeline even after one timed out, so a batch runs in rounds of
 //!   8 commands, each read of a round given an eighth of the time left (never `timeout / n`
 //!   for the whole batch: a large batch needs no faster replies than a small one); a round
@@ -73,6 +73,13 @@
 //!   one after another, each given the time left when the connect began. With one frozen
 //!   master the connect overruns the deadline and the call fails: measured 1.0–2.1 s (2 to 4
 //!   timeouts) for an open or a call, until a replica takes over.
+//!
+//! Past the deadline by one client operation at most: the crate bounds each system call, not
+//! its operations, so a write the server's kernel takes in more than four parts, a connect to
+//! a name with several addresses (each given the time left; the lookup itself unbounded), a
+//! read stalling inside a large reply (given the time left after its last byte) and the
+//! `PING` the cluster client sends with no read timeout when it connects to a master inside
+//! a call can each end later (`docs/configuration.md`).
 //!
 //! The retry after a stale connection never follows a timeout. A healthy but slow server
 //! fails a call that it cannot finish by the deadline: keep the timeout above the time the

@@ -246,7 +246,11 @@ fn workload(args: &BenchArgs, node: Option<u32>) -> Result<Vec<Request>, BenchEr
             if let Some(n) = args.requests {
                 s.requests = n;
             }
-            s.check(budget)?;
+            // The parent checked the whole workload against the memory available before
+            // its nodes started; a node would see what its siblings have taken since.
+            if node.is_none() {
+                s.check(budget)?;
+            }
             let requests = s.generate();
             Ok(match node {
                 Some(node) => bench::node_share(&requests, node, args.nodes),
