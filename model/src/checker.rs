@@ -61,7 +61,7 @@ impl TieringModel {
         m
     }
 
-    /// As [`TieringModel::ci`], with kvtier's reuse-aware LRU (U1–U8) for the primary (the
+    /// As [`TieringModel::ci`], with kvtier's reuse-aware LRU (U1–U9) for the primary (the
     /// tiers keep LRU), explored in CI to a depth bound.
     pub fn ci_reuse() -> Self {
         let mut m = Self::ci();

@@ -113,7 +113,7 @@ enum Recency {
         p: f64,
         cap: usize,
     },
-    /// The reuse-aware LRU (U1–U8), the primary's only.
+    /// The reuse-aware LRU (U1–U9), the primary's only.
     Reuse {
         /// Every resident key's class, due time and the order it took them in.
         entries: BTreeMap<Key, ReuseEntry>,
@@ -121,11 +121,15 @@ enum Recency {
         clock: u64,
         /// Orders placements (ties in due time within a class).
         placed: u64,
-        /// `4 × cap`.
+        /// How far ahead a reused key is due: `4 × cap` at first, then adapted (U9).
         bonus: u64,
         /// Two generations of distinct evicted keys; `current` takes them, up to `4 × cap`.
         ghosts: [Vec<Key>; 2],
         current: usize,
+        /// U9: two generations of victims of the new and reused classes (`true`: reused),
+        /// repeats kept; `recent_current` takes them, up to `⌈3 × cap / 40⌉` in all.
+        recent: [Vec<(Key, bool)>; 2],
+        recent_current: usize,
         cap: usize,
     },
 }
@@ -169,7 +173,14 @@ fn reuse_place(
 ) {
     *placed += 1;
     let due = if class == ReuseClass::Reused {
-        clock + bonus
+        // U9: never before the latest reused entry.
+        let latest = entries
+            .values()
+            .filter(|e| e.class == ReuseClass::Reused)
+            .map(|e| e.due)
+            .max()
+            .unwrap_or(0);
+        (clock + bonus).max(latest)
     } else {
         clock
     };
@@ -230,6 +241,8 @@ impl Recency {
                 bonus: 4 * cap as u64,
                 ghosts: [Vec::new(), Vec::new()],
                 current: 0,
+                recent: [Vec::new(), Vec::new()],
+                recent_current: 0,
                 cap,
             },
         }
@@ -262,8 +275,28 @@ impl Recency {
                 placed,
                 bonus,
                 ghosts,
+                recent,
+                cap,
                 ..
             } => {
+                // U9: a recent victim coming back adapts the bonus, a reused one before a new.
+                let was = |reused: bool| {
+                    recent
+                        .iter()
+                        .flatten()
+                        .any(|(k, r)| k == key && *r == reused)
+                };
+                if let Some(reused) = [true, false].into_iter().find(|&r| was(r)) {
+                    let count =
+                        |r: bool| recent.iter().flatten().filter(|(_, x)| *x == r).count() as u64;
+                    let total = count(true) + count(false);
+                    let step = (*cap as u64 * total / (500 * count(reused).max(1))).max(1);
+                    *bonus = if reused {
+                        (*bonus + step).min(8 * *cap as u64)
+                    } else {
+                        bonus.saturating_sub(step)
+                    };
+                }
                 // U1: back after an eviction → reused.
                 let class = if ghosts.iter().any(|g| g.contains(key)) {
                     ReuseClass::Reused
@@ -515,12 +548,26 @@ impl Recency {
                 entries,
                 ghosts,
                 current,
+                recent,
+                recent_current,
                 cap,
                 ..
             } => {
                 // U6: a victim neither generation holds goes into the current one; when that
                 // has 4 × cap keys, the other is emptied and becomes the current one.
+                let limit = (3 * *cap).div_ceil(40);
                 for v in victims {
+                    // U9: every new or reused victim, repeats too.
+                    match entries.get(v).map(|e| e.class) {
+                        Some(c) if c != ReuseClass::Tail && limit > 0 => {
+                            recent[*recent_current].push((v.clone(), c == ReuseClass::Reused));
+                            if recent[*recent_current].len() == limit {
+                                *recent_current = 1 - *recent_current;
+                                recent[*recent_current].clear();
+                            }
+                        }
+                        _ => {}
+                    }
                     if entries.remove(v).is_some() && !ghosts.iter().any(|g| g.contains(v)) {
                         ghosts[*current].push(v.clone());
                         if ghosts[*current].len() == 4 * *cap {

@@ -88,6 +88,11 @@ impl<const N: usize> Lists<N> {
         (self.head[list] != NIL).then_some(self.head[list])
     }
 
+    /// The newest (most recent) id of `list`.
+    pub(crate) fn back(&self, list: usize) -> Option<u32> {
+        (self.tail[list] != NIL).then_some(self.tail[list])
+    }
+
     /// The id after `id` in its list, towards the most recent end.
     pub(crate) fn next(&self, id: u32) -> Option<u32> {
         let n = self.links[id as usize].next;

@@ -1,4 +1,4 @@
-//! Reuse-aware LRU (rules U1–U8): recency, with a head start for blocks that came back.
+//! Reuse-aware LRU (rules U1–U9): recency, with a head start for blocks that came back.
 //!
 //! Multi-turn traffic sorts blocks into three kinds, which LRU treats alike:
 //! - a request's last block that no request had before: nearly always partial (the prompt
@@ -9,28 +9,36 @@
 //!   to a conversation or document that returns, and is likely to return again.
 //!
 //! Every entry has a *due* time on a clock that ticks once per key a request's finish (or a
-//! touch) walks. A new block is due when it was last walked; a reused one `4 × capacity` ticks
-//! later, so it outlives new blocks by about four turnovers of the cache; a new tail is
-//! evicted before either. Victims are taken in due order. Since a request walks its keys tail
-//! to head and every request holding a block holds its whole prefix, an entry's ancestors are
-//! never due before it: eviction takes a prefix's deepest blocks first and never strands a
-//! block behind a missing parent (lookups stop at the first miss).
+//! touch) walks. A new block is due when it was last walked; a reused one a *bonus* later
+//! (never before the latest reused entry), so it outlives new blocks; a new tail is evicted
+//! before either. The bonus starts at four turnovers of the cache (`4 × capacity` ticks) and
+//! adapts (U9): victims that come back soon after their eviction tell which class needed more
+//! room. A reused victim back lengthens the bonus, a new one shortens it, each weighed by its
+//! class's share of the recent victims. How much likelier a reused block is to return than a
+//! new one differs between workloads: on Mooncake's conversation trace the fixed four turnovers
+//! fell below LRU at 10 % capacity (0.2706 against 0.2789); adapted, 0.2900.
+//!
+//! Victims are taken in due order. Since a request walks its keys tail to head, every request
+//! holding a block holds its whole prefix, and a reused entry is never due before the latest
+//! one, an entry's ancestors are never due before it: eviction takes a prefix's deepest blocks
+//! first and never strands a block behind a missing parent (lookups stop at the first miss).
 //!
 //! Which blocks came back after an eviction is remembered by a *ghost* of two generations:
 //! keys evicted go into the current one unless either holds them; when the current one has
 //! taken `4 × capacity` keys, the older is forgotten and a new one starts, so the ghost holds
-//! the last 4 to 8 capacities of distinct evicted keys (at least the four turnovers a reused
-//! block is kept for). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set
-//! in one 64-byte block): a false positive makes a new block look reused, so it stays four
-//! turnovers longer and crowds out others. That is costly enough on multi-turn traffic (at
-//! 10 bits per key, about 1 % false positives, the Mooncake trace kept a third of the policy's
-//! gain at 5 % capacity: 0.1593 against 0.1652, LRU 0.1566) that the filters are sized for
-//! about one false positive in 7,000 lookups of a full generation. They never hold fewer than 4,096 bits, so a small cache (a few dozen keys)
-//! practically never sees one.
+//! the last 4 to 8 capacities of distinct evicted keys (at least the four turnovers the bonus
+//! starts at). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set in one
+//! 64-byte block): a false positive makes a new block look reused, so it stays a bonus longer
+//! and crowds out others. That is costly enough on multi-turn traffic (at 10 bits per key,
+//! about 1 % false positives, the Mooncake synthetic trace kept a third of the policy's gain at
+//! 5 % capacity: 0.1593 against 0.1652, LRU 0.1566) that the filters are sized for about one
+//! false positive in 7,000 lookups of a full generation. They never hold fewer than 4,096
+//! bits, so a small cache (a few dozen keys) practically never sees one. The recent victims of
+//! U9 are filters of the same kind.
 //!
 //! Each class is an intrusive list in due order, so every operation is O(1) but `select`,
-//! which merges the lists' heads. Metadata: 16 bytes per entry (links and due), and 2 × 4 × 24
-//! bits = 24 bytes of ghost per block of capacity.
+//! which merges the lists' heads. Metadata: 16 bytes per entry (links and due), 2 × 4 × 24
+//! bits = 24 bytes of ghost per block of capacity, and under one byte of recent victims.
 
 use alloc::format;
 use alloc::string::String;
@@ -52,6 +60,8 @@ pub const REUSE_BONUS_TURNOVERS: u64 = 4;
 /// How many capacities of evicted keys a ghost generation takes (U6): the ghost remembers
 /// between one and two times this many.
 pub const GHOST_GENERATION_CAPACITIES: usize = 4;
+/// The bonus never exceeds this many turnovers (U9).
+pub(crate) const MAX_BONUS_TURNOVERS: u64 = 8;
 
 /// The reuse-aware LRU over resident ids.
 #[derive(Clone, Debug)]
@@ -60,11 +70,16 @@ pub struct ReusePolicy {
     /// The due time of every id in `lists`.
     due: Vec<u64>,
     clock: u64,
-    /// `REUSE_BONUS_TURNOVERS × capacity`.
+    /// How long a reused block outlives a new one, in ticks: `REUSE_BONUS_TURNOVERS ×
+    /// capacity` at first, then adapted (U9) within `0..=MAX_BONUS_TURNOVERS × capacity`.
     bonus: u64,
+    /// The capacity the policy was made for.
+    capacity: u64,
     /// The next finished key is its request's tail (U3).
     tail_next: bool,
     ghost: Ghost,
+    /// The last victims and their classes, for U9.
+    recent: Recent,
 }
 
 /// Bits of a filter block (one cache line).
@@ -108,6 +123,99 @@ fn probes(key: &Key, blocks: usize) -> (usize, [u32; PROBES as usize]) {
     (block, bits)
 }
 
+/// Whether `filter` (empty: holds nothing) has every bit of a key's probes.
+fn filter_holds(filter: &[u64], block: usize, bits: &[u32]) -> bool {
+    !filter.is_empty()
+        && bits
+            .iter()
+            .all(|&b| filter[block * 8 + (b as usize >> 6)] & (1 << (b & 63)) != 0)
+}
+
+/// Sets a key's probes in `filter`, first sizing it to `words` if it is empty.
+fn filter_set(filter: &mut Vec<u64>, words: usize, block: usize, bits: &[u32]) {
+    if filter.is_empty() {
+        filter.resize(words, 0);
+    }
+    for &b in bits {
+        filter[block * 8 + (b as usize >> 6)] |= 1 << (b & 63);
+    }
+}
+
+/// Filter blocks for `keys` keys: 24 bits per key, at least 4,096 bits.
+fn filter_blocks(keys: usize) -> usize {
+    (keys * BITS_PER_KEY).div_ceil(BLOCK_BITS).max(MIN_BLOCKS)
+}
+
+/// The fraction of the capacity, in 40ths, each generation of the recent victims takes
+/// (U9): the two generations remember the last 7.5 % to 15 % of a capacity of victims.
+const RECENT_WINDOW_40THS: usize = 3;
+
+/// The last victims of the new and reused classes (U9), in two generations; each generation
+/// is one blocked Bloom filter per class. Unlike the ghost it keeps every victim, repeated
+/// or not: it counts victims, not keys.
+#[derive(Clone, Debug)]
+struct Recent {
+    /// `filters[generation][class]`, class 0 new and 1 reused; empty until the first key.
+    filters: [[Vec<u64>; 2]; 2],
+    /// Victims each filter took.
+    counts: [[u64; 2]; 2],
+    /// The generation victims go into.
+    current: usize,
+    /// Victims a generation takes before the older is forgotten (0: never adapt).
+    limit: u64,
+    /// Blocks per filter.
+    blocks: usize,
+}
+
+impl Recent {
+    fn new(capacity: usize) -> Self {
+        let limit = (capacity * RECENT_WINDOW_40THS).div_ceil(40);
+        Recent {
+            filters: Default::default(),
+            counts: [[0; 2]; 2],
+            current: 0,
+            limit: limit as u64,
+            blocks: filter_blocks(limit),
+        }
+    }
+
+    /// U9: remembers a victim of `class` (0 new, 1 reused).
+    fn push(&mut self, key: &Key, class: usize) {
+        if self.limit == 0 {
+            return;
+        }
+        let (block, bits) = probes(key, self.blocks);
+        let g = self.current;
+        filter_set(&mut self.filters[g][class], self.blocks * 8, block, &bits);
+        self.counts[g][class] += 1;
+        if self.counts[g][0] + self.counts[g][1] == self.limit {
+            self.current = 1 - g;
+            for f in &mut self.filters[self.current] {
+                f.fill(0);
+            }
+            self.counts[self.current] = [0; 2];
+        }
+    }
+
+    /// U9: the class a generation remembers `key` as a victim of, reused before new.
+    fn class_of(&self, key: &Key) -> Option<usize> {
+        if self.limit == 0 {
+            return None;
+        }
+        let (block, bits) = probes(key, self.blocks);
+        [1, 0].into_iter().find(|&c| {
+            self.filters
+                .iter()
+                .any(|generation| filter_holds(&generation[c], block, &bits))
+        })
+    }
+
+    /// Victims of `class` both generations hold.
+    fn held(&self, class: usize) -> u64 {
+        self.counts[0][class] + self.counts[1][class]
+    }
+}
+
 impl Ghost {
     fn new(limit: usize) -> Self {
         Ghost {
@@ -115,20 +223,13 @@ impl Ghost {
             current: 0,
             taken: 0,
             limit,
-            blocks: (limit * BITS_PER_KEY).div_ceil(BLOCK_BITS).max(MIN_BLOCKS),
+            blocks: filter_blocks(limit),
         }
-    }
-
-    fn holds(filter: &[u64], block: usize, bits: &[u32]) -> bool {
-        !filter.is_empty()
-            && bits
-                .iter()
-                .all(|&b| filter[block * 8 + (b as usize >> 6)] & (1 << (b & 63)) != 0)
     }
 
     fn contains(&self, key: &Key) -> bool {
         let (block, bits) = probes(key, self.blocks);
-        self.gens.iter().any(|g| Self::holds(g, block, &bits))
+        self.gens.iter().any(|g| filter_holds(g, block, &bits))
     }
 
     /// U6: remembers `key` unless a generation holds it; a full generation makes the older
@@ -138,17 +239,10 @@ impl Ghost {
             return;
         }
         let (block, bits) = probes(key, self.blocks);
-        if self.gens.iter().any(|g| Self::holds(g, block, &bits)) {
+        if self.gens.iter().any(|g| filter_holds(g, block, &bits)) {
             return;
         }
-        let words = self.blocks * 8;
-        let filter = &mut self.gens[self.current];
-        if filter.is_empty() {
-            filter.resize(words, 0);
-        }
-        for b in bits {
-            filter[block * 8 + (b as usize >> 6)] |= 1 << (b & 63);
-        }
+        filter_set(&mut self.gens[self.current], self.blocks * 8, block, &bits);
         self.taken += 1;
         if self.taken == self.limit {
             self.current = 1 - self.current;
@@ -166,9 +260,25 @@ impl ReusePolicy {
             due: Vec::new(),
             clock: 0,
             bonus: REUSE_BONUS_TURNOVERS * capacity as u64,
+            capacity: capacity as u64,
             tail_next: false,
             ghost: Ghost::new(GHOST_GENERATION_CAPACITIES * capacity),
+            recent: Recent::new(capacity),
         }
+    }
+
+    /// U9: `key`, being inserted, was a recent victim of `class`: reused victims coming back
+    /// lengthen the bonus, new ones shorten it, each by `capacity / 500` ticks times the
+    /// other class's share of the recent victims over its own (at least one tick).
+    fn adapt(&mut self, class: usize) {
+        let total = self.recent.held(0) + self.recent.held(1);
+        let own = self.recent.held(class).max(1);
+        let step = (self.capacity.saturating_mul(total) / (500 * own)).max(1);
+        self.bonus = if class == 1 {
+            (self.bonus + step).min(MAX_BONUS_TURNOVERS * self.capacity)
+        } else {
+            self.bonus.saturating_sub(step)
+        };
     }
 
     /// Places `id` at the end of `class` with due time `due`.
@@ -181,9 +291,11 @@ impl ReusePolicy {
         self.lists.move_to_back(class, id);
     }
 
-    /// U2/U4: a reused block, walked now.
+    /// U2/U4: a reused block, walked now: due `bonus` ticks ahead, and never before the
+    /// latest reused entry (U9: a shrinking bonus takes effect as the clock catches up).
     fn reuse(&mut self, id: u32) {
-        self.place(id, REUSED, self.clock + self.bonus);
+        let latest = self.lists.back(REUSED).map_or(0, |b| self.due[b as usize]);
+        self.place(id, REUSED, (self.clock + self.bonus).max(latest));
     }
 
     /// See `Policy::write_canonical`: the lists in eviction order, each entry with its due
@@ -215,12 +327,27 @@ impl ReusePolicy {
                 let _ = write!(out, "{w}:{bits:x},");
             }
         }
+        // U9: the bonus, then the recent victims: the current generation, each filter's
+        // count and set bits.
+        let r = &self.recent;
+        let _ = write!(out, "|bonus{}|recent{}", self.bonus, r.current);
+        for (generation, counts) in r.filters.iter().zip(&r.counts) {
+            for (filter, count) in generation.iter().zip(counts) {
+                let _ = write!(out, ";{count}:");
+                for (w, bits) in filter.iter().enumerate().filter(|(_, b)| **b != 0) {
+                    let _ = write!(out, "{w}:{bits:x},");
+                }
+            }
+        }
         out.push(']');
     }
 }
 
 impl EvictionPolicy for ReusePolicy {
     fn insert(&mut self, id: u32, key: &Key) {
+        if let Some(class) = self.recent.class_of(key) {
+            self.adapt(class); // U9
+        }
         // U1: a block back after an eviction is reused at once; any other starts new.
         if self.ghost.contains(key) {
             self.reuse(id);
@@ -317,7 +444,10 @@ impl EvictionPolicy for ReusePolicy {
     }
 
     fn evict(&mut self, id: u32, key: &Key) {
-        if self.lists.remove(id).is_some() {
+        if let Some(class) = self.lists.remove(id) {
+            if class != TAIL {
+                self.recent.push(key, usize::from(class == REUSED)); // U9
+            }
             self.ghost.push(key); // U6
         }
     }
@@ -339,7 +469,7 @@ impl EvictionPolicy for ReusePolicy {
                 if due < last {
                     return Err(format!("{name} list: id {id} due before its predecessor"));
                 }
-                if due > self.clock + self.bonus {
+                if due > self.clock + MAX_BONUS_TURNOVERS * self.capacity {
                     return Err(format!("id {id} due after the clock's reach"));
                 }
                 last = due;
@@ -358,6 +488,20 @@ impl EvictionPolicy for ReusePolicy {
                 g.limit,
                 g.gens[0].len(),
                 g.gens[1].len()
+            ));
+        }
+        let r = &self.recent;
+        if self.bonus > MAX_BONUS_TURNOVERS * self.capacity
+            || r.current > 1
+            || (r.limit > 0 && r.counts[r.current][0] + r.counts[r.current][1] >= r.limit)
+        {
+            return Err(format!(
+                "bonus {} of at most {}; recent generation {}, counts {:?} of {}",
+                self.bonus,
+                MAX_BONUS_TURNOVERS * self.capacity,
+                r.current,
+                r.counts,
+                r.limit
             ));
         }
         let set: u32 = g.gens[g.current].iter().map(|w| w.count_ones()).sum();
@@ -462,6 +606,41 @@ mod tests {
             "keys 0..4 forgotten"
         );
         assert!((4..8).all(|i| p.ghost.contains(&k(i))), "keys 4..8 held");
+    }
+
+    /// U9: a reused victim coming back lengthens the bonus, a new one shortens it; a shorter
+    /// bonus never places a reused entry before the latest one.
+    #[test]
+    fn recent_victims_adapt_the_bonus() {
+        let mut p = ReusePolicy::new(40); // recent generations of 3 victims
+        let start = REUSE_BONUS_TURNOVERS * 40;
+        assert_eq!(p.bonus, start);
+        p.insert(0, &k(0));
+        p.insert(1, &k(1));
+        finish(&mut p, &[(0, Use::Reused), (1, Use::Inserted)]); // 0 reused, 1 a tail
+        p.insert(2, &k(2));
+        finish(
+            &mut p,
+            &[(0, Use::Reused), (2, Use::Inserted), (1, Use::Seen)],
+        );
+        // 0 and 1 reused, 2 new. Victims: 2 (new), then 0 (reused); the tail list is empty.
+        p.evict(2, &k(2));
+        p.evict(0, &k(0));
+        p.check().unwrap();
+        p.insert(0, &k(0)); // a reused victim back: + max(1, 40 × 2 / (500 × 1))
+        assert_eq!(p.bonus, start + 1);
+        p.insert(2, &k(2)); // a new victim back: − 1
+        assert_eq!(p.bonus, start);
+        // A shorter bonus: a reused entry placed now is due no earlier than the latest one.
+        p.bonus = 0;
+        let latest = p.due[p.lists.back(REUSED).unwrap() as usize];
+        assert!(latest > p.clock + 1);
+        finish(&mut p, &[(2, Use::Reused)]);
+        assert_eq!(
+            p.due[2], latest,
+            "due at the latest reused entry, not at the clock"
+        );
+        assert_eq!(order(&p), [1, 0, 2]);
     }
 
     /// A full generation of a large cache keeps false positives rare (15 in 100,000 measured).
