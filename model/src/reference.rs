@@ -290,7 +290,9 @@ impl Recency {
                     let count =
                         |r: bool| recent.iter().flatten().filter(|(_, x)| *x == r).count() as u64;
                     let total = count(true) + count(false);
-                    let step = (*cap as u64 * total / (500 * count(reused).max(1))).max(1);
+                    let step = (*cap as u64 * total / (500 * count(reused).max(1)))
+                        .min(*cap as u64 / 50)
+                        .max(1);
                     *bonus = if reused {
                         (*bonus + step).min(8 * *cap as u64)
                     } else {

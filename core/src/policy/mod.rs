@@ -15,7 +15,9 @@ use alloc::vec::Vec;
 
 pub use self::arc::ArcPolicy;
 pub use self::lru::LruPolicy;
-pub use self::reuse::{GHOST_GENERATION_CAPACITIES, REUSE_BONUS_TURNOVERS, ReusePolicy};
+pub use self::reuse::{
+    GHOST_GENERATION_CAPACITIES, MAX_BONUS_TURNOVERS, REUSE_BONUS_TURNOVERS, ReusePolicy,
+};
 pub(crate) use list::Lists;
 
 use crate::config::PolicyKind;

@@ -55,13 +55,14 @@ const NEW: usize = 1;
 /// Blocks reused, or back after an eviction.
 const REUSED: usize = 2;
 
-/// How many cache turnovers (capacity ticks) a reused block outlives a new one (U2, U4).
+/// How many cache turnovers (capacity ticks) a reused block outlives a new one at first
+/// (U2, U4); U9 then adapts it.
 pub const REUSE_BONUS_TURNOVERS: u64 = 4;
 /// How many capacities of evicted keys a ghost generation takes (U6): the ghost remembers
 /// between one and two times this many.
 pub const GHOST_GENERATION_CAPACITIES: usize = 4;
 /// The bonus never exceeds this many turnovers (U9).
-pub(crate) const MAX_BONUS_TURNOVERS: u64 = 8;
+pub const MAX_BONUS_TURNOVERS: u64 = 8;
 
 /// The reuse-aware LRU over resident ids.
 #[derive(Clone, Debug)]
@@ -267,13 +268,16 @@ impl ReusePolicy {
         }
     }
 
-    /// U9: `key`, being inserted, was a recent victim of `class`: reused victims coming back
-    /// lengthen the bonus, new ones shorten it, each by `capacity / 500` ticks times the
-    /// other class's share of the recent victims over its own (at least one tick).
+    /// U9: an inserted key was a recent victim of `class`: a reused victim coming back
+    /// lengthens the bonus, a new one shortens it, by `capacity / 500` ticks times the
+    /// recent victims over those of its class (one over its class's share), at most
+    /// `capacity / 50` (a fiftieth of a turnover) and at least one tick.
     fn adapt(&mut self, class: usize) {
         let total = self.recent.held(0) + self.recent.held(1);
         let own = self.recent.held(class).max(1);
-        let step = (self.capacity.saturating_mul(total) / (500 * own)).max(1);
+        let step = (self.capacity.saturating_mul(total) / (500 * own))
+            .min(self.capacity / 50)
+            .max(1);
         self.bonus = if class == 1 {
             (self.bonus + step).min(MAX_BONUS_TURNOVERS * self.capacity)
         } else {
@@ -491,12 +495,22 @@ impl EvictionPolicy for ReusePolicy {
             ));
         }
         let r = &self.recent;
+        let words = r.blocks * 8;
+        let bits_ok = r.filters.iter().zip(&r.counts).all(|(generation, counts)| {
+            generation.iter().zip(counts).all(|(f, &n)| {
+                (f.is_empty() || f.len() == words)
+                    && u64::from(f.iter().map(|w| w.count_ones()).sum::<u32>())
+                        <= n * u64::from(PROBES)
+            })
+        });
+        let full = |g: usize| r.counts[g][0] + r.counts[g][1];
         if self.bonus > MAX_BONUS_TURNOVERS * self.capacity
             || r.current > 1
-            || (r.limit > 0 && r.counts[r.current][0] + r.counts[r.current][1] >= r.limit)
+            || (r.limit > 0 && (full(r.current) >= r.limit || full(1 - r.current) > r.limit))
+            || !bits_ok
         {
             return Err(format!(
-                "bonus {} of at most {}; recent generation {}, counts {:?} of {}",
+                "bonus {} of at most {}; recent generation {}, counts {:?} of {}, bits fit: {bits_ok}",
                 self.bonus,
                 MAX_BONUS_TURNOVERS * self.capacity,
                 r.current,
@@ -608,39 +622,80 @@ mod tests {
         assert!((4..8).all(|i| p.ghost.contains(&k(i))), "keys 4..8 held");
     }
 
-    /// U9: a reused victim coming back lengthens the bonus, a new one shortens it; a shorter
-    /// bonus never places a reused entry before the latest one.
+    /// U9: a reused victim coming back lengthens the bonus, a new one shortens it, by
+    /// `capacity / 500` times the victims over its class's, within `1..=capacity / 50`; a key
+    /// held as both counts as reused; the older generation is forgotten.
     #[test]
     fn recent_victims_adapt_the_bonus() {
-        let mut p = ReusePolicy::new(40); // recent generations of 3 victims
-        let start = REUSE_BONUS_TURNOVERS * 40;
-        assert_eq!(p.bonus, start);
-        p.insert(0, &k(0));
-        p.insert(1, &k(1));
-        finish(&mut p, &[(0, Use::Reused), (1, Use::Inserted)]); // 0 reused, 1 a tail
-        p.insert(2, &k(2));
+        let kk = |i: u16| Key::from(i.to_le_bytes());
+        let mut p = ReusePolicy::new(1000); // generations of 75 victims, steps of at most 20
+        let start = REUSE_BONUS_TURNOVERS * 1000;
+        for i in 10..14 {
+            p.recent.push(&kk(i), 0);
+        }
+        p.recent.push(&kk(20), 1);
+        p.insert(0, &kk(20)); // 5 victims, 1 reused: + 1000 × 5 / 500
+        assert_eq!(p.bonus, start + 10);
+        p.insert(1, &kk(10)); // 4 new: − 1000 × 5 / (500 × 4)
+        assert_eq!(p.bonus, start + 8);
+        for i in 30..70 {
+            p.recent.push(&kk(i), 0);
+        }
+        p.insert(2, &kk(20)); // 45 victims, 1 reused: 90, at most 20
+        assert_eq!(p.bonus, start + 28);
+        p.recent.push(&kk(10), 1); // 10 is now held as both: reused first
+        p.insert(3, &kk(10));
+        assert_eq!(p.bonus, start + 48);
+        p.insert(4, &kk(99)); // never a victim
+        assert_eq!(p.bonus, start + 48);
+        // 46 victims so far: 29 more fill the generation, 75 more the next, which forgets 20.
+        for i in 100..104 {
+            p.recent.push(&kk(i), 0);
+        }
+        assert_eq!(
+            (p.recent.current, p.recent.held(0), p.recent.held(1)),
+            (0, 48, 2)
+        );
+        for i in 104..129 {
+            p.recent.push(&kk(i), 0);
+        }
+        assert_eq!((p.recent.current, p.recent.held(0)), (1, 73));
+        p.insert(5, &kk(20)); // still held by the older generation
+        assert_eq!(p.bonus, start + 48 + 20);
+        for i in 200..275 {
+            p.recent.push(&kk(i), 0);
+        }
+        assert_eq!(
+            (p.recent.current, p.recent.held(0), p.recent.held(1)),
+            (0, 75, 0)
+        );
+        p.insert(6, &kk(20));
+        assert_eq!(p.bonus, start + 68, "forgotten with its generation");
+        p.check().unwrap();
+    }
+
+    /// U9: a shorter bonus places a reused entry no earlier than the latest reused one.
+    #[test]
+    fn a_shorter_bonus_keeps_the_due_order() {
+        let mut p = ReusePolicy::new(4);
+        for i in 0..3 {
+            p.insert(u32::from(i), &k(i));
+        }
         finish(
             &mut p,
-            &[(0, Use::Reused), (2, Use::Inserted), (1, Use::Seen)],
+            &[(0, Use::Reused), (1, Use::Reused), (2, Use::Inserted)],
         );
-        // 0 and 1 reused, 2 new. Victims: 2 (new), then 0 (reused); the tail list is empty.
-        p.evict(2, &k(2));
-        p.evict(0, &k(0));
-        p.check().unwrap();
-        p.insert(0, &k(0)); // a reused victim back: + max(1, 40 × 2 / (500 × 1))
-        assert_eq!(p.bonus, start + 1);
-        p.insert(2, &k(2)); // a new victim back: − 1
-        assert_eq!(p.bonus, start);
-        // A shorter bonus: a reused entry placed now is due no earlier than the latest one.
+        // 0 is the latest reused entry (walked last), 1 the one before it.
+        let latest = p.due[0];
+        assert_eq!(p.lists.back(REUSED), Some(0));
         p.bonus = 0;
-        let latest = p.due[p.lists.back(REUSED).unwrap() as usize];
-        assert!(latest > p.clock + 1);
-        finish(&mut p, &[(2, Use::Reused)]);
+        finish(&mut p, &[(1, Use::Reused)]);
+        assert!(p.clock < latest);
         assert_eq!(
-            p.due[2], latest,
-            "due at the latest reused entry, not at the clock"
+            p.due[1], latest,
+            "at the latest reused entry, not at the clock"
         );
-        assert_eq!(order(&p), [1, 0, 2]);
+        assert_eq!(order(&p), [2, 0, 1]);
     }
 
     /// A full generation of a large cache keeps false positives rare (15 in 100,000 measured).
