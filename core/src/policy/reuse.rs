@@ -142,6 +142,19 @@ fn filter_set(filter: &mut Vec<u64>, words: usize, block: usize, bits: &[u32]) {
     }
 }
 
+/// The bits set in `filter`.
+fn filter_bits_set(filter: &[u64]) -> u64 {
+    filter.iter().map(|w| u64::from(w.count_ones())).sum()
+}
+
+/// Writes `filter`'s nonzero words as `index:bits,` (canonical forms: few in a model's
+/// small states).
+fn write_filter(out: &mut String, filter: &[u64]) {
+    for (w, bits) in filter.iter().enumerate().filter(|(_, b)| **b != 0) {
+        let _ = write!(out, "{w}:{bits:x},");
+    }
+}
+
 /// Filter blocks for `keys` keys: 24 bits per key, at least 4,096 bits.
 fn filter_blocks(keys: usize) -> usize {
     (keys * BITS_PER_KEY).div_ceil(BLOCK_BITS).max(MIN_BLOCKS)
@@ -327,9 +340,7 @@ impl ReusePolicy {
         let _ = write!(out, "|ghost{}/{}", self.ghost.current, self.ghost.taken);
         for filter in &self.ghost.gens {
             out.push(';');
-            for (w, bits) in filter.iter().enumerate().filter(|(_, b)| **b != 0) {
-                let _ = write!(out, "{w}:{bits:x},");
-            }
+            write_filter(out, filter);
         }
         // U9: the bonus, then the recent victims: the current generation, each filter's
         // count and set bits.
@@ -338,9 +349,7 @@ impl ReusePolicy {
         for (generation, counts) in r.filters.iter().zip(&r.counts) {
             for (filter, count) in generation.iter().zip(counts) {
                 let _ = write!(out, ";{count}:");
-                for (w, bits) in filter.iter().enumerate().filter(|(_, b)| **b != 0) {
-                    let _ = write!(out, "{w}:{bits:x},");
-                }
+                write_filter(out, filter);
             }
         }
         out.push(']');
@@ -498,9 +507,7 @@ impl EvictionPolicy for ReusePolicy {
         let words = r.blocks * 8;
         let bits_ok = r.filters.iter().zip(&r.counts).all(|(generation, counts)| {
             generation.iter().zip(counts).all(|(f, &n)| {
-                (f.is_empty() || f.len() == words)
-                    && u64::from(f.iter().map(|w| w.count_ones()).sum::<u32>())
-                        <= n * u64::from(PROBES)
+                (f.is_empty() || f.len() == words) && filter_bits_set(f) <= n * u64::from(PROBES)
             })
         });
         let full = |g: usize| r.counts[g][0] + r.counts[g][1];
@@ -518,8 +525,8 @@ impl EvictionPolicy for ReusePolicy {
                 r.limit
             ));
         }
-        let set: u32 = g.gens[g.current].iter().map(|w| w.count_ones()).sum();
-        if set as usize > g.taken * PROBES as usize {
+        let set = filter_bits_set(&g.gens[g.current]);
+        if set > g.taken as u64 * u64::from(PROBES) {
             return Err(format!(
                 "ghost: {set} bits set by {} keys of {PROBES} bits",
                 g.taken
