@@ -7,7 +7,8 @@ use alloc::vec::Vec;
 /// Most secondary tiers one manager may have (a block takes at most one cascade pin per tier).
 pub const MAX_TIERS: usize = 64;
 
-/// Most blocks a tier (primary or secondary) may have: ids, ARC ghosts included, use 30 bits.
+/// Most blocks a tier (primary or secondary) may have: ARC's ids, ghosts included, use 30 bits;
+/// the reuse policy's, 29.
 pub const MAX_BLOCKS: u32 = (1 << 29) - 2;
 
 /// Which eviction policy a tier uses.

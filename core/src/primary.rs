@@ -483,7 +483,7 @@ impl Primary {
         };
         let mut order = core::mem::take(&mut self.order_scratch);
         access.order_into(&mut order);
-        self.policy.begin_finish(); // U3
+        self.policy.begin_finish(order.len()); // U3, U4
         for &i in order.iter().rev() {
             let e = &access.keys[i as usize];
             let used = if e.flags & REUSED != 0 {

@@ -121,14 +121,17 @@ enum Recency {
         clock: u64,
         /// Orders placements (ties in due time within a class).
         placed: u64,
-        /// How far ahead a reused key is due: `4 × cap` at first, then adapted (U9).
-        bonus: u64,
+        /// How far ahead a key of each class is due (U9), tails' first (always 0): reused
+        /// `4 × cap` at first, new 0, then adapted.
+        bonus: BTreeMap<ReuseClass, u64>,
+        /// U9: what the steps left over after taking their fifths (0..5).
+        fifths: u64,
         /// Two generations of distinct evicted keys; `current` takes them, up to `4 × cap`.
         ghosts: [Vec<Key>; 2],
         current: usize,
-        /// U9: two generations of victims of the new and reused classes (`true`: reused),
-        /// repeats kept; `recent_current` takes them, up to `⌈3 × cap / 40⌉` in all.
-        recent: [Vec<(Key, bool)>; 2],
+        /// U9: two generations of victims of every class but tails, repeats kept;
+        /// `recent_current` takes them, up to `⌈4 × cap / 40⌉` in all.
+        recent: [Vec<(Key, ReuseClass)>; 2],
         recent_current: usize,
         cap: usize,
     },
@@ -142,13 +145,34 @@ struct ReuseEntry {
     placed: u64,
 }
 
-/// U5's eviction order: tails, then new and reused merged by due time.
+/// U5's eviction order: tails, then new and reused merged by due time; on a tie the new
+/// classes first, shortest requests first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum ReuseClass {
     Tail,
-    New,
+    /// A new block of a request of 1–3 (0), 4–15 (1), 16–63 (2) or 64 or more (3) keys.
+    New(u8),
     Reused,
 }
+
+/// U4: the new class of a request of `keys` keys.
+fn new_class(keys: usize) -> ReuseClass {
+    ReuseClass::New(match keys {
+        0..4 => 0,
+        4..16 => 1,
+        16..64 => 2,
+        _ => 3,
+    })
+}
+
+/// Every class U9 adapts, in the order a recent victim is looked for.
+const ADAPTED: [ReuseClass; 5] = [
+    ReuseClass::Reused,
+    ReuseClass::New(0),
+    ReuseClass::New(1),
+    ReuseClass::New(2),
+    ReuseClass::New(3),
+];
 
 impl ReuseEntry {
     /// The key victims are taken in (U5).
@@ -162,28 +186,30 @@ impl ReuseEntry {
     }
 }
 
-/// Places `key` in `class` now (U1, U2, U4): reused blocks are due `bonus` ticks later.
+/// Places `key` in `class` now (U1, U2, U4): due its class's bonus ticks later (tails: now).
 fn reuse_place(
     entries: &mut BTreeMap<Key, ReuseEntry>,
     key: &Key,
     class: ReuseClass,
     clock: u64,
-    bonus: u64,
+    bonus: &BTreeMap<ReuseClass, u64>,
     placed: &mut u64,
 ) {
     *placed += 1;
-    let due = if class == ReuseClass::Reused {
-        // U9: never before the latest reused entry.
-        let latest = entries
-            .values()
-            .filter(|e| e.class == ReuseClass::Reused)
-            .map(|e| e.due)
-            .max()
-            .unwrap_or(0);
-        (clock + bonus).max(latest)
-    } else {
-        clock
+    // U9: a reused key never before the latest of any class but tails, a new one never
+    // before the latest of its class.
+    let floor = |e: &&ReuseEntry| match class {
+        ReuseClass::Tail => false,
+        ReuseClass::New(_) => e.class == class,
+        ReuseClass::Reused => e.class != ReuseClass::Tail,
     };
+    let latest = entries
+        .values()
+        .filter(floor)
+        .map(|e| e.due)
+        .max()
+        .unwrap_or(0);
+    let due = (clock + bonus.get(&class).copied().unwrap_or(0)).max(latest);
     entries.insert(
         key.clone(),
         ReuseEntry {
@@ -238,7 +264,20 @@ impl Recency {
                 entries: BTreeMap::new(),
                 clock: 0,
                 placed: 0,
-                bonus: 4 * cap as u64,
+                bonus: ADAPTED
+                    .iter()
+                    .map(|&c| {
+                        (
+                            c,
+                            if c == ReuseClass::Reused {
+                                4 * cap as u64
+                            } else {
+                                0
+                            },
+                        )
+                    })
+                    .collect(),
+                fifths: 0,
                 ghosts: [Vec::new(), Vec::new()],
                 current: 0,
                 recent: [Vec::new(), Vec::new()],
@@ -274,38 +313,46 @@ impl Recency {
                 clock,
                 placed,
                 bonus,
+                fifths,
                 ghosts,
                 recent,
                 cap,
                 ..
             } => {
-                // U9: a recent victim coming back adapts the bonus, a reused one before a new.
-                let was = |reused: bool| {
-                    recent
-                        .iter()
-                        .flatten()
-                        .any(|(k, r)| k == key && *r == reused)
-                };
-                if let Some(reused) = [true, false].into_iter().find(|&r| was(r)) {
+                // U9: a recent victim coming back adapts the bonuses: its class's (reused
+                // before new, shorter requests first) lengthens by a step weighed by one over
+                // the class's share of the victims, then every class's shortens by a fifth.
+                let was = |c: ReuseClass| recent.iter().flatten().any(|(k, x)| k == key && *x == c);
+                if let Some(class) = ADAPTED.into_iter().find(|&c| was(c)) {
                     let count =
-                        |r: bool| recent.iter().flatten().filter(|(_, x)| *x == r).count() as u64;
-                    let total = count(true) + count(false);
-                    let step = (*cap as u64 * total / (500 * count(reused).max(1)))
-                        .min(*cap as u64 / 50)
+                        |c: ReuseClass| recent.iter().flatten().filter(|(_, x)| *x == c).count();
+                    let total = recent.iter().flatten().count() as u64;
+                    let cap = *cap as u64;
+                    let step = (cap * total / (500 * count(class).max(1) as u64))
+                        .min(cap / 50)
                         .max(1);
-                    *bonus = if reused {
-                        (*bonus + step).min(8 * *cap as u64)
-                    } else {
-                        bonus.saturating_sub(step)
-                    };
+                    let own = bonus.get_mut(&class).expect("adapted");
+                    *own = (*own + step).min(8 * cap);
+                    // The fifths of small steps add up: what is left over goes with the next.
+                    *fifths += step;
+                    for b in bonus.values_mut() {
+                        *b = b.saturating_sub(*fifths / 5);
+                    }
+                    *fifths %= 5;
+                    // No new class outlives the reused one.
+                    let reused = bonus[&ReuseClass::Reused];
+                    for b in bonus.values_mut() {
+                        *b = (*b).min(reused);
+                    }
                 }
-                // U1: back after an eviction → reused.
+                // U1: back after an eviction → reused; else new, in the longest requests'
+                // class until the request finishes.
                 let class = if ghosts.iter().any(|g| g.contains(key)) {
                     ReuseClass::Reused
                 } else {
-                    ReuseClass::New
+                    ReuseClass::New(3)
                 };
-                reuse_place(entries, key, class, *clock, *bonus, placed);
+                reuse_place(entries, key, class, *clock, bonus, placed);
             }
         }
     }
@@ -363,7 +410,7 @@ impl Recency {
                 } => {
                     *clock += 1; // U2
                     if entries.contains_key(key) {
-                        reuse_place(entries, key, ReuseClass::Reused, *clock, *bonus, placed);
+                        reuse_place(entries, key, ReuseClass::Reused, *clock, bonus, placed);
                     }
                 }
             }
@@ -382,7 +429,7 @@ impl Recency {
         {
             for k in new_keys {
                 if record.position(k).is_some() && entries.contains_key(k) {
-                    reuse_place(entries, k, ReuseClass::Reused, *clock, *bonus, placed);
+                    reuse_place(entries, k, ReuseClass::Reused, *clock, bonus, placed);
                 }
             }
         }
@@ -410,7 +457,9 @@ impl Recency {
 
     /// L5 / A8: a finished request's keys, head to tail, walked tail to head.
     fn finish(&mut self, record: &Record) {
-        for (i, key) in record.head_to_tail().iter().rev().enumerate() {
+        let keys = record.head_to_tail();
+        let (keys, count) = (keys.iter().rev(), keys.len());
+        for (i, key) in keys.enumerate() {
             match self {
                 Recency::Lru { ranks, last } => {
                     if let Some(rank) = ranks.get_mut(key) {
@@ -451,9 +500,9 @@ impl Recency {
                     } else if i == 0 {
                         ReuseClass::Tail
                     } else {
-                        ReuseClass::New
+                        new_class(count)
                     };
-                    reuse_place(entries, key, class, *clock, *bonus, placed);
+                    reuse_place(entries, key, class, *clock, bonus, placed);
                 }
             }
         }
@@ -557,12 +606,12 @@ impl Recency {
             } => {
                 // U6: a victim neither generation holds goes into the current one; when that
                 // has 4 × cap keys, the other is emptied and becomes the current one.
-                let limit = (3 * *cap).div_ceil(40);
+                let limit = (4 * *cap).div_ceil(40);
                 for v in victims {
                     // U9: every new or reused victim, repeats too.
                     match entries.get(v).map(|e| e.class) {
                         Some(c) if c != ReuseClass::Tail && limit > 0 => {
-                            recent[*recent_current].push((v.clone(), c == ReuseClass::Reused));
+                            recent[*recent_current].push((v.clone(), c));
                             if recent[*recent_current].len() == limit {
                                 *recent_current = 1 - *recent_current;
                                 recent[*recent_current].clear();

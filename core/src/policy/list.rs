@@ -1,50 +1,57 @@
 //! Intrusive doubly linked lists over dense entry ids.
 //!
-//! One `Lists<N>` holds up to `N` lists; each id is in at most one of them. Every operation is
-//! O(1); ids grow the link table on demand.
+//! One `Lists<N>` holds `N` lists (at most seven); each id is in at most one of them. Every
+//! operation is O(1); ids grow the link table on demand. Ids take 30 bits with up to three
+//! lists, 29 with more.
 
 use alloc::vec::Vec;
 
-/// The largest id a list can hold, plus one (ids use 30 bits; 2 bits name the list).
-pub(crate) const MAX_IDS: u32 = (1 << 30) - 1;
-const NIL: u32 = MAX_IDS;
-const ID_MASK: u32 = (1 << 30) - 1;
-const NONE: u32 = 3;
+/// Bits of a link that hold an id: 30 for up to three lists, 29 for up to seven (the rest
+/// name the list).
+const fn id_bits(lists: usize) -> u32 {
+    if lists <= 3 { 30 } else { 29 }
+}
 
-/// `prev` and `next` ids of one entry, 8 bytes: the top two bits of `prev_list` name the list
-/// that holds the entry (3 = none).
+/// `prev` and `next` ids of one entry, 8 bytes: the top bits of `prev_list` (two for up to
+/// three lists, three for up to seven) name the list that holds the entry (all ones = none).
 #[derive(Clone, Copy, Debug)]
-struct Link {
+struct Link<const N: usize> {
     prev_list: u32,
     next: u32,
 }
 
-impl Link {
+impl<const N: usize> Link<N> {
+    /// Bits of an id.
+    const BITS: u32 = id_bits(N);
+    /// No id; also one more than the largest id a list can hold.
+    const NIL: u32 = (1 << Self::BITS) - 1;
+    /// The list tag of an unlinked entry.
+    const NONE: u32 = u32::MAX >> Self::BITS;
+    const UNLINKED: Self = Link {
+        prev_list: u32::MAX,
+        next: Self::NIL,
+    };
+
     fn prev(self) -> u32 {
-        self.prev_list & ID_MASK
+        self.prev_list & Self::NIL
     }
     fn list(self) -> u32 {
-        self.prev_list >> 30
+        self.prev_list >> Self::BITS
     }
     fn new(prev: u32, next: u32, list: u32) -> Self {
         Link {
-            prev_list: (list << 30) | prev,
+            prev_list: (list << Self::BITS) | prev,
             next,
         }
     }
     fn set_prev(&mut self, prev: u32) {
-        self.prev_list = (self.prev_list & !ID_MASK) | prev;
+        self.prev_list = (self.prev_list & !Self::NIL) | prev;
     }
 }
 
-const UNLINKED: Link = Link {
-    prev_list: (NONE << 30) | NIL,
-    next: NIL,
-};
-
 #[derive(Clone, Debug)]
 pub(crate) struct Lists<const N: usize> {
-    links: Vec<Link>,
+    links: Vec<Link<N>>,
     head: [u32; N],
     tail: [u32; N],
     len: [usize; N],
@@ -57,11 +64,18 @@ impl<const N: usize> Default for Lists<N> {
 }
 
 impl<const N: usize> Lists<N> {
+    const NIL: u32 = Link::<N>::NIL;
+    const NONE: u32 = Link::<N>::NONE;
+
+    /// At most seven lists: three bits name one, with the value of all ones for none.
+    const FITS: () = assert!(N <= 7, "at most seven lists");
+
     pub(crate) fn with_capacity(n: usize) -> Self {
+        let () = Self::FITS;
         Lists {
             links: Vec::with_capacity(n),
-            head: [NIL; N],
-            tail: [NIL; N],
+            head: [Self::NIL; N],
+            tail: [Self::NIL; N],
             len: [0; N],
         }
     }
@@ -78,38 +92,38 @@ impl<const N: usize> Lists<N> {
     /// The list that holds `id`, if any.
     pub(crate) fn list_of(&self, id: u32) -> Option<usize> {
         match self.links.get(id as usize) {
-            Some(l) if l.list() != NONE => Some(l.list() as usize),
+            Some(l) if l.list() != Self::NONE => Some(l.list() as usize),
             _ => None,
         }
     }
 
     /// The oldest (least recent) id of `list`.
     pub(crate) fn front(&self, list: usize) -> Option<u32> {
-        (self.head[list] != NIL).then_some(self.head[list])
+        (self.head[list] != Self::NIL).then_some(self.head[list])
     }
 
     /// The newest (most recent) id of `list`.
     pub(crate) fn back(&self, list: usize) -> Option<u32> {
-        (self.tail[list] != NIL).then_some(self.tail[list])
+        (self.tail[list] != Self::NIL).then_some(self.tail[list])
     }
 
     /// The id after `id` in its list, towards the most recent end.
     pub(crate) fn next(&self, id: u32) -> Option<u32> {
         let n = self.links[id as usize].next;
-        (n != NIL).then_some(n)
+        (n != Self::NIL).then_some(n)
     }
 
     /// Appends `id` (which must be unlinked) at the most recent end of `list`.
     pub(crate) fn push_back(&mut self, list: usize, id: u32) {
         let i = id as usize;
         if i >= self.links.len() {
-            self.links.resize(i + 1, UNLINKED);
+            self.links.resize(i + 1, Link::UNLINKED);
         }
-        debug_assert!(id < NIL, "id {id} beyond the list's range");
-        debug_assert_eq!(self.links[i].list(), NONE, "id {id} linked twice");
+        debug_assert!(id < Self::NIL, "id {id} beyond the list's range");
+        debug_assert_eq!(self.links[i].list(), Self::NONE, "id {id} linked twice");
         let tail = self.tail[list];
-        self.links[i] = Link::new(tail, NIL, list as u32);
-        if tail == NIL {
+        self.links[i] = Link::new(tail, Self::NIL, list as u32);
+        if tail == Self::NIL {
             self.head[list] = id;
         } else {
             self.links[tail as usize].next = id;
@@ -123,10 +137,10 @@ impl<const N: usize> Lists<N> {
     pub(crate) fn insert_after(&mut self, list: usize, after: u32, id: u32) {
         let i = id as usize;
         if i >= self.links.len() {
-            self.links.resize(i + 1, UNLINKED);
+            self.links.resize(i + 1, Link::UNLINKED);
         }
-        debug_assert!(id < NIL, "id {id} beyond the list's range");
-        debug_assert_eq!(self.links[i].list(), NONE, "id {id} linked twice");
+        debug_assert!(id < Self::NIL, "id {id} beyond the list's range");
+        debug_assert_eq!(self.links[i].list(), Self::NONE, "id {id} linked twice");
         debug_assert_eq!(
             self.list_of(after),
             Some(list),
@@ -135,7 +149,7 @@ impl<const N: usize> Lists<N> {
         let next = self.links[after as usize].next;
         self.links[i] = Link::new(after, next, list as u32);
         self.links[after as usize].next = id;
-        if next == NIL {
+        if next == Self::NIL {
             self.tail[list] = id;
         } else {
             self.links[next as usize].set_prev(id);
@@ -148,17 +162,17 @@ impl<const N: usize> Lists<N> {
         let list = self.list_of(id)?;
         let link = self.links[id as usize];
         let (prev, next) = (link.prev(), link.next);
-        if prev == NIL {
+        if prev == Self::NIL {
             self.head[list] = next;
         } else {
             self.links[prev as usize].next = next;
         }
-        if next == NIL {
+        if next == Self::NIL {
             self.tail[list] = prev;
         } else {
             self.links[next as usize].set_prev(prev);
         }
-        self.links[id as usize] = UNLINKED;
+        self.links[id as usize] = Link::UNLINKED;
         self.len[list] -= 1;
         Some(list)
     }
@@ -181,7 +195,7 @@ impl<const N: usize> Lists<N> {
     pub(crate) fn check(&self) -> Result<(), alloc::string::String> {
         let mut seen = 0;
         for list in 0..N {
-            let mut prev = NIL;
+            let mut prev = Self::NIL;
             let mut count = 0;
             for id in self.iter(list) {
                 let l = self.links[id as usize];
@@ -199,7 +213,7 @@ impl<const N: usize> Lists<N> {
             }
             seen += count;
         }
-        let linked = self.links.iter().filter(|l| l.list() != NONE).count();
+        let linked = self.links.iter().filter(|l| l.list() != Self::NONE).count();
         if linked != seen {
             return Err(alloc::format!("{linked} ids linked but {seen} reachable"));
         }
@@ -246,7 +260,7 @@ mod tests {
         l.tail[0] = 1; // the right length, a wrong tail
         assert!(l.check().is_err());
         let mut l = lists();
-        l.links.push(Link::new(NIL, NIL, 0)); // linked, unreachable
+        l.links.push(Link::new(Lists::<2>::NIL, Lists::<2>::NIL, 0)); // linked, unreachable
         assert!(l.check().is_err());
     }
 

@@ -10,6 +10,7 @@ mod list;
 mod lru;
 mod reuse;
 
+use alloc::boxed::Box;
 use alloc::string::String;
 use alloc::vec::Vec;
 
@@ -82,8 +83,10 @@ pub trait EvictionPolicy {
     fn store_miss(&mut self, key: &Key) {
         let _ = key;
     }
-    /// A request is finishing: its keys follow, tail first (rule U3).
-    fn begin_finish(&mut self) {}
+    /// A request of `keys` keys is finishing: its keys follow, tail first (rules U3, U4).
+    fn begin_finish(&mut self, keys: usize) {
+        let _ = keys;
+    }
     /// A finishing request's key, walked tail to head; `resident` is its id if resident
     /// (rules L5, A8).
     fn finish(&mut self, key: &Key, resident: Option<u32>, used: Use);
@@ -117,8 +120,9 @@ pub enum Policy {
     Lru(LruPolicy),
     /// vLLM's simplified ARC.
     Arc(ArcPolicy),
-    /// kvtier's reuse-aware LRU.
-    Reuse(ReusePolicy),
+    /// kvtier's reuse-aware LRU (boxed: its per-class filters make it several times the
+    /// others' size).
+    Reuse(Box<ReusePolicy>),
 }
 
 impl Policy {
@@ -127,7 +131,7 @@ impl Policy {
         match kind {
             PolicyKind::Lru => Policy::Lru(LruPolicy::with_capacity(capacity)),
             PolicyKind::Arc => Policy::Arc(ArcPolicy::new(capacity)),
-            PolicyKind::Reuse => Policy::Reuse(ReusePolicy::new(capacity)),
+            PolicyKind::Reuse => Policy::Reuse(Box::new(ReusePolicy::new(capacity))),
         }
     }
 
@@ -153,7 +157,7 @@ impl Policy {
         match self {
             Policy::Lru(p) => p,
             Policy::Arc(p) => p,
-            Policy::Reuse(p) => p,
+            Policy::Reuse(p) => p.as_ref(),
         }
     }
 
@@ -161,7 +165,7 @@ impl Policy {
         match self {
             Policy::Lru(p) => p,
             Policy::Arc(p) => p,
-            Policy::Reuse(p) => p,
+            Policy::Reuse(p) => p.as_mut(),
         }
     }
 }
@@ -193,8 +197,8 @@ impl EvictionPolicy for Policy {
     fn store_miss(&mut self, key: &Key) {
         self.inner_mut().store_miss(key)
     }
-    fn begin_finish(&mut self) {
-        self.inner_mut().begin_finish()
+    fn begin_finish(&mut self, keys: usize) {
+        self.inner_mut().begin_finish(keys)
     }
     fn finish(&mut self, key: &Key, resident: Option<u32>, used: Use) {
         self.inner_mut().finish(key, resident, used)

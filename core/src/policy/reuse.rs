@@ -50,34 +50,55 @@ use crate::key::Key;
 
 /// Request tails no request had before: evicted first.
 const TAIL: usize = 0;
-/// Blocks seen by one request only.
-const NEW: usize = 1;
 /// Blocks reused, or back after an eviction.
-const REUSED: usize = 2;
+const REUSED: usize = 1;
+/// The first class of blocks seen by one request only; one class per request length (U4).
+const NEW: usize = 2;
+/// Classes of new blocks, by the length of the request that stored them.
+const NEW_CLASSES: usize = 4;
+/// Every class: tails, reused, and the new ones.
+const CLASSES: usize = NEW + NEW_CLASSES;
+/// The shortest request, in blocks, of each new class after the first: requests of 1–3,
+/// 4–15, 16–63 and 64 or more blocks (powers of four).
+const NEW_CLASS_LENGTHS: [usize; NEW_CLASSES - 1] = [4, 16, 64];
+/// The new class of a block inserted before its request finishes: the longest requests'
+/// (U1; the finish, U4, gives it its request's).
+const NEW_UNFINISHED: usize = CLASSES - 1;
 
 /// How many cache turnovers (capacity ticks) a reused block outlives a new one at first
-/// (U2, U4); U9 then adapts it.
+/// (U2, U4); U9 then adapts it, and the bonuses of the new classes, which start at 0.
 pub const REUSE_BONUS_TURNOVERS: u64 = 4;
 /// How many capacities of evicted keys a ghost generation takes (U6): the ghost remembers
 /// between one and two times this many.
 pub const GHOST_GENERATION_CAPACITIES: usize = 4;
-/// The bonus never exceeds this many turnovers (U9).
+/// No class's bonus exceeds this many turnovers (U9).
 pub const MAX_BONUS_TURNOVERS: u64 = 8;
+
+/// The new class of a block a request of `length` keys stored (U4).
+fn new_class(length: usize) -> usize {
+    NEW + NEW_CLASS_LENGTHS.iter().filter(|&&l| length >= l).count()
+}
 
 /// The reuse-aware LRU over resident ids.
 #[derive(Clone, Debug)]
 pub struct ReusePolicy {
-    lists: Lists<3>,
+    /// One list per class, each in due order.
+    lists: Lists<CLASSES>,
     /// The due time of every id in `lists`.
     due: Vec<u64>,
     clock: u64,
-    /// How long a reused block outlives a new one, in ticks: `REUSE_BONUS_TURNOVERS ×
-    /// capacity` at first, then adapted (U9) within `0..=MAX_BONUS_TURNOVERS × capacity`.
-    bonus: u64,
+    /// How long each class's blocks outlive the clock, in ticks (tails: 0). Reused:
+    /// `REUSE_BONUS_TURNOVERS × capacity` at first, new: 0; then adapted (U9) within
+    /// `0..=MAX_BONUS_TURNOVERS × capacity`, a new class's never above the reused one's.
+    bonus: [u64; CLASSES],
+    /// U9: the steps' remainder, in fifths of a tick, not yet taken from every class.
+    fifths: u64,
     /// The capacity the policy was made for.
     capacity: u64,
     /// The next finished key is its request's tail (U3).
     tail_next: bool,
+    /// The keys of the request finishing (U4: its new class).
+    finishing: usize,
     ghost: Ghost,
     /// The last victims and their classes, for U9.
     recent: Recent,
@@ -161,18 +182,21 @@ fn filter_blocks(keys: usize) -> usize {
 }
 
 /// The fraction of the capacity, in 40ths, each generation of the recent victims takes
-/// (U9): the two generations remember the last 7.5 % to 15 % of a capacity of victims.
-const RECENT_WINDOW_40THS: usize = 3;
+/// (U9): the two generations remember the last 10 % to 20 % of a capacity of victims.
+const RECENT_WINDOW_40THS: usize = 4;
 
-/// The last victims of the new and reused classes (U9), in two generations; each generation
-/// is one blocked Bloom filter per class. Unlike the ghost it keeps every victim, repeated
-/// or not: it counts victims, not keys.
+/// Classes with recent victims: all but tails.
+const VICTIM_CLASSES: usize = CLASSES - 1;
+
+/// The last victims of every class but tails (U9), in two generations; each generation is
+/// one blocked Bloom filter per class. Unlike the ghost it keeps every victim, repeated or
+/// not: it counts victims, not keys.
 #[derive(Clone, Debug)]
 struct Recent {
-    /// `filters[generation][class]`, class 0 new and 1 reused; empty until the first key.
-    filters: [[Vec<u64>; 2]; 2],
+    /// `filters[generation][class - 1]`; empty until the first key.
+    filters: [[Vec<u64>; VICTIM_CLASSES]; 2],
     /// Victims each filter took.
-    counts: [[u64; 2]; 2],
+    counts: [[u64; VICTIM_CLASSES]; 2],
     /// The generation victims go into.
     current: usize,
     /// Victims a generation takes before the older is forgotten (0: never adapt).
@@ -186,47 +210,58 @@ impl Recent {
         let limit = (capacity * RECENT_WINDOW_40THS).div_ceil(40);
         Recent {
             filters: Default::default(),
-            counts: [[0; 2]; 2],
+            counts: [[0; VICTIM_CLASSES]; 2],
             current: 0,
             limit: limit as u64,
             blocks: filter_blocks(limit),
         }
     }
 
-    /// U9: remembers a victim of `class` (0 new, 1 reused).
+    /// U9: remembers a victim of `class` (not a tail).
     fn push(&mut self, key: &Key, class: usize) {
         if self.limit == 0 {
             return;
         }
         let (block, bits) = probes(key, self.blocks);
         let g = self.current;
-        filter_set(&mut self.filters[g][class], self.blocks * 8, block, &bits);
-        self.counts[g][class] += 1;
-        if self.counts[g][0] + self.counts[g][1] == self.limit {
+        filter_set(
+            &mut self.filters[g][class - 1],
+            self.blocks * 8,
+            block,
+            &bits,
+        );
+        self.counts[g][class - 1] += 1;
+        if self.counts[g].iter().sum::<u64>() == self.limit {
             self.current = 1 - g;
             for f in &mut self.filters[self.current] {
                 f.fill(0);
             }
-            self.counts[self.current] = [0; 2];
+            self.counts[self.current] = [0; VICTIM_CLASSES];
         }
     }
 
-    /// U9: the class a generation remembers `key` as a victim of, reused before new.
+    /// U9: the class a generation remembers `key` as a victim of: reused first, then the
+    /// new classes, shortest requests first.
     fn class_of(&self, key: &Key) -> Option<usize> {
         if self.limit == 0 {
             return None;
         }
         let (block, bits) = probes(key, self.blocks);
-        [1, 0].into_iter().find(|&c| {
+        (REUSED..CLASSES).find(|&c| {
             self.filters
                 .iter()
-                .any(|generation| filter_holds(&generation[c], block, &bits))
+                .any(|generation| filter_holds(&generation[c - 1], block, &bits))
         })
     }
 
     /// Victims of `class` both generations hold.
     fn held(&self, class: usize) -> u64 {
-        self.counts[0][class] + self.counts[1][class]
+        self.counts[0][class - 1] + self.counts[1][class - 1]
+    }
+
+    /// Victims both generations hold.
+    fn held_all(&self) -> u64 {
+        self.counts.iter().flatten().sum()
     }
 }
 
@@ -269,33 +304,48 @@ impl Ghost {
 impl ReusePolicy {
     /// An empty policy for a tier of `capacity` entries.
     pub fn new(capacity: usize) -> Self {
+        let mut bonus = [0; CLASSES];
+        bonus[REUSED] = REUSE_BONUS_TURNOVERS * capacity as u64;
         ReusePolicy {
             lists: Lists::with_capacity(capacity),
             due: Vec::new(),
             clock: 0,
-            bonus: REUSE_BONUS_TURNOVERS * capacity as u64,
+            bonus,
+            fifths: 0,
             capacity: capacity as u64,
             tail_next: false,
+            finishing: 0,
             ghost: Ghost::new(GHOST_GENERATION_CAPACITIES * capacity),
             recent: Recent::new(capacity),
         }
     }
 
-    /// U9: an inserted key was a recent victim of `class`: a reused victim coming back
-    /// lengthens the bonus, a new one shortens it, by `capacity / 500` ticks times the
-    /// recent victims over those of its class (one over its class's share), at most
-    /// `capacity / 50` (a fiftieth of a turnover) and at least one tick.
+    /// U9: an inserted key was a recent victim of `class`: that class's bonus lengthens by a
+    /// step of `capacity / 500` ticks times the recent victims over those of its class (one
+    /// over its class's share), at most `capacity / 50` (a fiftieth of a turnover) and at
+    /// least one tick; then every class's (that one's too) shortens by a fifth of the step
+    /// (the remainder carried to the next step), so the classes move against each other, and
+    /// no new class's exceeds the reused one's.
     fn adapt(&mut self, class: usize) {
-        let total = self.recent.held(0) + self.recent.held(1);
+        let total = self.recent.held_all();
         let own = self.recent.held(class).max(1);
         let step = (self.capacity.saturating_mul(total) / (500 * own))
             .min(self.capacity / 50)
             .max(1);
-        self.bonus = if class == 1 {
-            (self.bonus + step).min(MAX_BONUS_TURNOVERS * self.capacity)
-        } else {
-            self.bonus.saturating_sub(step)
-        };
+        let max = MAX_BONUS_TURNOVERS * self.capacity;
+        self.bonus[class] = (self.bonus[class] + step).min(max);
+        // A fifth of the step, the remainder carried to the next (small caches' steps are
+        // one tick).
+        let fifths = self.fifths + step;
+        let shrink = fifths / VICTIM_CLASSES as u64;
+        self.fifths = fifths % VICTIM_CLASSES as u64;
+        for b in &mut self.bonus[REUSED..] {
+            *b = b.saturating_sub(shrink);
+        }
+        let reused = self.bonus[REUSED];
+        for b in &mut self.bonus[NEW..] {
+            *b = (*b).min(reused);
+        }
     }
 
     /// Places `id` at the end of `class` with due time `due`.
@@ -308,11 +358,24 @@ impl ReusePolicy {
         self.lists.move_to_back(class, id);
     }
 
-    /// U2/U4: a reused block, walked now: due `bonus` ticks ahead, and never before the
-    /// latest reused entry (U9: a shrinking bonus takes effect as the clock catches up).
+    /// The due time of the last entry of `class`, 0 if none.
+    fn latest(&self, class: usize) -> u64 {
+        self.lists.back(class).map_or(0, |b| self.due[b as usize])
+    }
+
+    /// U2/U4: a reused block, walked now: due the reused bonus ahead, and never before the
+    /// latest entry of any class but tails (U9: a shrinking bonus takes effect as the clock
+    /// catches up, and a reused block is never due before a new one placed earlier).
     fn reuse(&mut self, id: u32) {
-        let latest = self.lists.back(REUSED).map_or(0, |b| self.due[b as usize]);
-        self.place(id, REUSED, (self.clock + self.bonus).max(latest));
+        let latest = (REUSED..CLASSES).map(|c| self.latest(c)).max().unwrap_or(0);
+        self.place(id, REUSED, (self.clock + self.bonus[REUSED]).max(latest));
+    }
+
+    /// U1/U4: a new block of `class`, walked now: due its class's bonus ahead, and never
+    /// before the latest entry of its class.
+    fn place_new(&mut self, id: u32, class: usize) {
+        let due = (self.clock + self.bonus[class]).max(self.latest(class));
+        self.place(id, class, due);
     }
 
     /// See `Policy::write_canonical`: the lists in eviction order, each entry with its due
@@ -324,7 +387,8 @@ impl ReusePolicy {
         let mut victims = Vec::new();
         self.select(self.len(), &mut |_| true, &mut victims);
         for id in victims {
-            let class = ["t", "n", "r"][self.lists.list_of(id).expect("resident")];
+            let class =
+                ["t", "r", "n0", "n1", "n2", "n3"][self.lists.list_of(id).expect("resident")];
             // Due before the clock: below anything placed later (0); at or after it: placed
             // later entries compare to it (1 + the difference).
             let due = self.due[id as usize];
@@ -342,10 +406,16 @@ impl ReusePolicy {
             out.push(';');
             write_filter(out, filter);
         }
-        // U9: the bonus, then the recent victims: the current generation, each filter's
+        // U9: the bonuses, then the recent victims: the current generation, each filter's
         // count and set bits.
         let r = &self.recent;
-        let _ = write!(out, "|bonus{}|recent{}", self.bonus, r.current);
+        let _ = write!(
+            out,
+            "|bonus{:?}/{}|recent{}",
+            &self.bonus[REUSED..],
+            self.fifths,
+            r.current
+        );
         for (generation, counts) in r.filters.iter().zip(&r.counts) {
             for (filter, count) in generation.iter().zip(counts) {
                 let _ = write!(out, ";{count}:");
@@ -361,11 +431,12 @@ impl EvictionPolicy for ReusePolicy {
         if let Some(class) = self.recent.class_of(key) {
             self.adapt(class); // U9
         }
-        // U1: a block back after an eviction is reused at once; any other starts new.
+        // U1: a block back after an eviction is reused at once; any other starts new, in the
+        // longest requests' class until its request finishes.
         if self.ghost.contains(key) {
             self.reuse(id);
         } else {
-            self.place(id, NEW, self.clock);
+            self.place_new(id, NEW_UNFINISHED);
         }
     }
 
@@ -383,8 +454,9 @@ impl EvictionPolicy for ReusePolicy {
         self.reuse(id);
     }
 
-    fn begin_finish(&mut self) {
+    fn begin_finish(&mut self, keys: usize) {
         self.tail_next = true; // U3
+        self.finishing = keys;
     }
 
     fn finish(&mut self, _key: &Key, resident: Option<u32>, used: Use) {
@@ -397,7 +469,7 @@ impl EvictionPolicy for ReusePolicy {
             Use::Reused | Use::Promoted | Use::Seen => self.reuse(id),
             Use::Inserted if self.lists.list_of(id) == Some(REUSED) => self.reuse(id),
             Use::Inserted if tail => self.place(id, TAIL, self.clock),
-            Use::Inserted => self.place(id, NEW, self.clock),
+            Use::Inserted => self.place_new(id, new_class(self.finishing)),
         }
     }
 
@@ -413,8 +485,8 @@ impl EvictionPolicy for ReusePolicy {
     }
 
     fn select(&self, n: usize, eligible: &mut dyn FnMut(u32) -> bool, out: &mut Vec<u32>) {
-        // U5: tails first, oldest first; then new and reused merged by due time, new first
-        // on a tie.
+        // U5: tails first, oldest first; then the other classes merged by due time: on a
+        // tie new before reused, the shorter requests' class first.
         let mut found = 0;
         if n == 0 {
             return;
@@ -428,24 +500,27 @@ impl EvictionPolicy for ReusePolicy {
                 }
             }
         }
-        let mut new = self.lists.front(NEW);
-        let mut reused = self.lists.front(REUSED);
+        let mut heads = [None; CLASSES];
+        for (class, head) in heads.iter_mut().enumerate().skip(REUSED) {
+            *head = self.lists.front(class);
+        }
+        // The order classes are tried in on a tie.
+        const TIES: [usize; VICTIM_CLASSES] = [2, 3, 4, 5, REUSED];
         loop {
-            let id = match (new, reused) {
-                (Some(a), Some(b)) if self.due[a as usize] <= self.due[b as usize] => {
-                    new = self.lists.next(a);
-                    a
+            let mut best: Option<(u64, usize)> = None;
+            for class in TIES {
+                if let Some(id) = heads[class] {
+                    let due = self.due[id as usize];
+                    if best.is_none_or(|(d, _)| due < d) {
+                        best = Some((due, class));
+                    }
                 }
-                (_, Some(b)) => {
-                    reused = self.lists.next(b);
-                    b
-                }
-                (Some(a), None) => {
-                    new = self.lists.next(a);
-                    a
-                }
-                (None, None) => return,
+            }
+            let Some((_, class)) = best else {
+                return;
             };
+            let id = heads[class].expect("a head");
+            heads[class] = self.lists.next(id);
             if eligible(id) {
                 out.push(id);
                 found += 1;
@@ -459,7 +534,7 @@ impl EvictionPolicy for ReusePolicy {
     fn evict(&mut self, id: u32, key: &Key) {
         if let Some(class) = self.lists.remove(id) {
             if class != TAIL {
-                self.recent.push(key, usize::from(class == REUSED)); // U9
+                self.recent.push(key, class); // U9
             }
             self.ghost.push(key); // U6
         }
@@ -470,19 +545,20 @@ impl EvictionPolicy for ReusePolicy {
     }
 
     fn len(&self) -> usize {
-        self.lists.len(TAIL) + self.lists.len(NEW) + self.lists.len(REUSED)
+        (0..CLASSES).map(|c| self.lists.len(c)).sum()
     }
 
     fn check(&self) -> Result<(), String> {
         self.lists.check()?;
-        for (class, name) in [(TAIL, "tail"), (NEW, "new"), (REUSED, "reused")] {
+        let max = MAX_BONUS_TURNOVERS * self.capacity;
+        for class in 0..CLASSES {
             let mut last = 0;
             for id in self.lists.iter(class) {
                 let due = self.due[id as usize];
                 if due < last {
-                    return Err(format!("{name} list: id {id} due before its predecessor"));
+                    return Err(format!("class {class}: id {id} due before its predecessor"));
                 }
-                if due > self.clock + MAX_BONUS_TURNOVERS * self.capacity {
+                if due > self.clock + max {
                     return Err(format!("id {id} due after the clock's reach"));
                 }
                 last = due;
@@ -510,19 +586,19 @@ impl EvictionPolicy for ReusePolicy {
                 (f.is_empty() || f.len() == words) && filter_bits_set(f) <= n * u64::from(PROBES)
             })
         });
-        let full = |g: usize| r.counts[g][0] + r.counts[g][1];
-        if self.bonus > MAX_BONUS_TURNOVERS * self.capacity
+        let full = |g: usize| r.counts[g].iter().sum::<u64>();
+        let reused = self.bonus[REUSED];
+        if self.bonus[TAIL] != 0
+            || self.fifths >= VICTIM_CLASSES as u64
+            || reused > max
+            || self.bonus[NEW..].iter().any(|&b| b > reused)
             || r.current > 1
             || (r.limit > 0 && (full(r.current) >= r.limit || full(1 - r.current) > r.limit))
             || !bits_ok
         {
             return Err(format!(
-                "bonus {} of at most {}; recent generation {}, counts {:?} of {}, bits fit: {bits_ok}",
-                self.bonus,
-                MAX_BONUS_TURNOVERS * self.capacity,
-                r.current,
-                r.counts,
-                r.limit
+                "bonuses {:?} and {} fifths (reused at most {max}, new at most reused); recent generation {}, counts {:?} of {}, bits fit: {bits_ok}",
+                self.bonus, self.fifths, r.current, r.counts, r.limit
             ));
         }
         let set = filter_bits_set(&g.gens[g.current]);
@@ -552,7 +628,7 @@ mod tests {
 
     /// A request's finish, keys head to tail, all resident with ids = key bytes.
     fn finish(p: &mut ReusePolicy, head_to_tail: &[(u8, Use)]) {
-        p.begin_finish();
+        p.begin_finish(head_to_tail.len());
         for &(i, used) in head_to_tail.iter().rev() {
             p.finish(&k(i), Some(u32::from(i)), used);
         }
@@ -594,7 +670,7 @@ mod tests {
         p.insert(0, &k(0));
         p.insert(1, &k(1));
         assert_eq!(p.lists.list_of(0), Some(REUSED));
-        assert_eq!(p.lists.list_of(1), Some(NEW));
+        assert_eq!(p.lists.list_of(1), Some(NEW_UNFINISHED));
         assert_eq!(order(&p), [1, 0]);
     }
 
@@ -629,59 +705,108 @@ mod tests {
         assert!((4..8).all(|i| p.ghost.contains(&k(i))), "keys 4..8 held");
     }
 
-    /// U9: a reused victim coming back lengthens the bonus, a new one shortens it, by
-    /// `capacity / 500` times the victims over its class's, within `1..=capacity / 50`; a key
-    /// held as both counts as reused; the older generation is forgotten.
+    /// U1, U4: a new block waits in the longest requests' class until its request
+    /// finishes, then takes the class of its request's length (1–3, 4–15, 16–63, 64+).
     #[test]
-    fn recent_victims_adapt_the_bonus() {
+    fn new_blocks_take_their_request_length_class() {
+        for (keys, class) in [
+            (1, NEW),
+            (3, NEW),
+            (4, NEW + 1),
+            (15, NEW + 1),
+            (16, NEW + 2),
+        ]
+        .into_iter()
+        .chain([(63, NEW + 2), (64, NEW + 3), (1000, NEW + 3)])
+        {
+            let mut p = ReusePolicy::new(4);
+            p.insert(0, &k(0));
+            p.insert(1, &k(1));
+            assert_eq!(p.lists.list_of(0), Some(NEW_UNFINISHED));
+            p.begin_finish(keys);
+            p.finish(&k(1), Some(1), Use::Inserted); // the tail
+            p.finish(&k(0), Some(0), Use::Inserted);
+            assert_eq!(p.lists.list_of(1), Some(TAIL));
+            assert_eq!(p.lists.list_of(0), Some(class), "a request of {keys} keys");
+            p.check().unwrap();
+        }
+    }
+
+    /// U9: a victim of a class coming back lengthens that class's bonus by `capacity / 500`
+    /// times the victims over its class's, within `1..=capacity / 50`, then shortens every
+    /// class's by a fifth of that; a key held as both counts as reused; the older generation
+    /// is forgotten.
+    #[test]
+    fn recent_victims_adapt_the_bonuses() {
         let kk = |i: u16| Key::from(i.to_le_bytes());
-        let mut p = ReusePolicy::new(1000); // generations of 75 victims, steps of at most 20
+        let mut p = ReusePolicy::new(1000); // generations of 100 victims, steps of at most 20
         let start = REUSE_BONUS_TURNOVERS * 1000;
+        let bonuses = |p: &ReusePolicy| p.bonus[REUSED..].to_vec();
         for i in 10..14 {
-            p.recent.push(&kk(i), 0);
+            p.recent.push(&kk(i), NEW + 1);
         }
-        p.recent.push(&kk(20), 1);
-        p.insert(0, &kk(20)); // 5 victims, 1 reused: + 1000 × 5 / 500
-        assert_eq!(p.bonus, start + 10);
-        p.insert(1, &kk(10)); // 4 new: − 1000 × 5 / (500 × 4)
-        assert_eq!(p.bonus, start + 8);
+        p.recent.push(&kk(20), REUSED);
+        p.insert(0, &kk(20)); // 5 victims, 1 reused: + 1000 × 5 / 500 = 10, all − 2
+        assert_eq!(bonuses(&p), [start + 8, 0, 0, 0, 0]);
+        p.insert(1, &kk(10)); // 4 of the class: + 1000 × 5 / (500 × 4) = 2, all − 0
+        assert_eq!(bonuses(&p), [start + 8, 0, 2, 0, 0]);
         for i in 30..70 {
-            p.recent.push(&kk(i), 0);
+            p.recent.push(&kk(i), NEW);
         }
-        p.insert(2, &kk(20)); // 45 victims, 1 reused: 90, at most 20
-        assert_eq!(p.bonus, start + 28);
-        p.recent.push(&kk(10), 1); // 10 is now held as both: reused first
+        p.insert(2, &kk(20)); // 45 victims, 1 reused: 90, at most 20; all − 4
+        assert_eq!(bonuses(&p), [start + 24, 0, 0, 0, 0]);
+        p.recent.push(&kk(10), REUSED); // 10 is now held as both: reused first
         p.insert(3, &kk(10));
-        assert_eq!(p.bonus, start + 48);
+        assert_eq!(bonuses(&p), [start + 40, 0, 0, 0, 0]);
         p.insert(4, &kk(99)); // never a victim
-        assert_eq!(p.bonus, start + 48);
-        // 46 victims so far: 29 more fill the generation, 75 more the next, which forgets 20.
-        for i in 100..104 {
-            p.recent.push(&kk(i), 0);
+        assert_eq!(bonuses(&p), [start + 40, 0, 0, 0, 0]);
+        // 46 victims so far: 54 more fill the generation, 100 more the next, which forgets
+        // the first.
+        for i in 100..154 {
+            p.recent.push(&kk(i), NEW + 2);
         }
-        assert_eq!(
-            (p.recent.current, p.recent.held(0), p.recent.held(1)),
-            (0, 48, 2)
-        );
-        for i in 104..129 {
-            p.recent.push(&kk(i), 0);
-        }
-        assert_eq!((p.recent.current, p.recent.held(0)), (1, 73));
+        assert_eq!((p.recent.current, p.recent.held_all()), (1, 100));
         p.insert(5, &kk(20)); // still held by the older generation
-        assert_eq!(p.bonus, start + 48 + 20);
-        for i in 200..275 {
-            p.recent.push(&kk(i), 0);
+        assert_eq!(bonuses(&p), [start + 56, 0, 0, 0, 0]);
+        for i in 200..300 {
+            p.recent.push(&kk(i), NEW + 3);
         }
-        assert_eq!(
-            (p.recent.current, p.recent.held(0), p.recent.held(1)),
-            (0, 75, 0)
-        );
+        assert_eq!((p.recent.current, p.recent.held(REUSED)), (0, 0));
         p.insert(6, &kk(20));
-        assert_eq!(p.bonus, start + 68, "forgotten with its generation");
+        assert_eq!(bonuses(&p), [start + 56, 0, 0, 0, 0], "forgotten");
         p.check().unwrap();
     }
 
-    /// U9: a shorter bonus places a reused entry no earlier than the latest reused one.
+    /// U9: a small cache's steps are one tick; the fifths taken from every class add up
+    /// over five of them.
+    #[test]
+    fn fifths_of_small_steps_add_up() {
+        let mut p = ReusePolicy::new(10); // 40 ticks of reused bonus, one victim a generation
+        for i in 0..5u8 {
+            p.recent.push(&k(i), NEW);
+            p.insert(u32::from(i), &k(i));
+            assert_eq!(p.fifths, u64::from(i + 1) % 5);
+        }
+        assert_eq!(p.bonus[REUSED..], [39, 4, 0, 0, 0]);
+        p.check().unwrap();
+    }
+
+    /// U9: no new class's bonus exceeds the reused one's.
+    #[test]
+    fn a_new_class_never_outlives_reused_blocks() {
+        let kk = |i: u16| Key::from(i.to_le_bytes());
+        let mut p = ReusePolicy::new(1000);
+        p.bonus[REUSED] = 5;
+        for i in 0..20 {
+            p.recent.push(&kk(i), NEW + 3);
+        }
+        p.recent.push(&kk(100), NEW);
+        p.insert(0, &kk(100)); // + min(1000 × 21 / 500, 20), all − 4: 16, then at most 1
+        assert_eq!(p.bonus[REUSED..], [1, 1, 0, 0, 0]);
+        p.check().unwrap();
+    }
+
+    /// U2, U9: a shorter bonus places a reused entry no earlier than the latest reused one.
     #[test]
     fn a_shorter_bonus_keeps_the_due_order() {
         let mut p = ReusePolicy::new(4);
@@ -695,7 +820,7 @@ mod tests {
         // 0 is the latest reused entry (walked last), 1 the one before it.
         let latest = p.due[0];
         assert_eq!(p.lists.back(REUSED), Some(0));
-        p.bonus = 0;
+        p.bonus[REUSED] = 0;
         finish(&mut p, &[(1, Use::Reused)]);
         assert!(p.clock < latest);
         assert_eq!(
@@ -703,6 +828,36 @@ mod tests {
             "at the latest reused entry, not at the clock"
         );
         assert_eq!(order(&p), [2, 0, 1]);
+    }
+
+    /// U1, U2, U5: a new class's bonus places its blocks ahead of the clock and never before
+    /// the class's latest; a reused block is never due before the latest new one; on a tie
+    /// the shorter requests' class goes first, reused last.
+    #[test]
+    fn new_bonuses_keep_every_class_in_order() {
+        let mut p = ReusePolicy::new(4); // reused bonus 16
+        p.bonus[NEW_UNFINISHED] = 10;
+        p.insert(0, &k(0)); // due 0 + 10
+        p.bonus[NEW_UNFINISHED] = 0;
+        p.insert(1, &k(1)); // due 10, not 0: the class's latest
+        assert_eq!((p.due[0], p.due[1]), (10, 10));
+        p.bonus[REUSED] = 0;
+        p.insert(2, &k(2));
+        p.touch(&k(2), Some((2, true))); // clock 1: due 10, the latest new, not 1
+        assert_eq!(p.due[2], 10);
+        p.bonus[REUSED] = 7;
+        p.bonus[NEW] = 7;
+        p.insert(3, &k(3));
+        p.begin_finish(2);
+        p.finish(&k(9), None, Use::Inserted); // the tail, not resident: clock 2
+        p.finish(&k(3), Some(3), Use::Inserted); // clock 3: requests of 1–3, due 3 + 7
+        assert_eq!((p.lists.list_of(3), p.due[3]), (Some(NEW), 10));
+        p.check().unwrap();
+        assert_eq!(
+            order(&p),
+            [3, 0, 1, 2],
+            "ties: shortest class first, reused last"
+        );
     }
 
     /// A full generation of a large cache keeps false positives rare (15 in 100,000 measured).
