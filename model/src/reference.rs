@@ -339,11 +339,11 @@ impl Recency {
                         *b = b.saturating_sub(*fifths / 5);
                     }
                     *fifths %= 5;
-                    // No new class outlives the reused one.
-                    let reused = bonus[&ReuseClass::Reused];
-                    for b in bonus.values_mut() {
-                        *b = (*b).min(reused);
-                    }
+                    // A new class passing the reused one takes it along: no new class outlives
+                    // reused blocks.
+                    let raised = bonus[&class];
+                    let reused = bonus.get_mut(&ReuseClass::Reused).expect("adapted");
+                    *reused = (*reused).max(raised);
                 }
                 // U1: back after an eviction → reused; else new, in the longest requests'
                 // class until the request finishes.
@@ -459,6 +459,8 @@ impl Recency {
     fn finish(&mut self, record: &Record) {
         let keys = record.head_to_tail();
         let (keys, count) = (keys.iter().rev(), keys.len());
+        // U4: whether the walk has placed a key reused (the keys after it are its ancestors).
+        let mut walked_reused = false;
         for (i, key) in keys.enumerate() {
             match self {
                 Recency::Lru { ranks, last } => {
@@ -495,7 +497,9 @@ impl Recency {
                     let inserted_only = record.inserted.contains(key)
                         && !record.reused.contains(key)
                         && !record.promoted.contains(key);
-                    let class = if !inserted_only || e.class == ReuseClass::Reused {
+                    let class = if !inserted_only || e.class == ReuseClass::Reused || walked_reused
+                    {
+                        walked_reused = true;
                         ReuseClass::Reused
                     } else if i == 0 {
                         ReuseClass::Tail

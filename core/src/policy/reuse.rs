@@ -1,27 +1,36 @@
 //! Reuse-aware LRU (rules U1–U9): recency, with a head start for blocks that came back.
 //!
-//! Multi-turn traffic sorts blocks into three kinds, which LRU treats alike:
+//! Multi-turn traffic sorts blocks into kinds, which LRU treats alike:
 //! - a request's last block that no request had before: nearly always partial (the prompt
 //!   rarely ends on a block boundary), and a partial block's hash changes with the next turn,
 //!   so it is almost never read again;
-//! - a block seen for the first time: some return (a conversation continues), many do not;
-//! - a block a request has already reused, or that comes back after an eviction: it belongs
-//!   to a conversation or document that returns, and is likely to return again.
+//! - a block seen for the first time: some return (a conversation continues), many do not,
+//!   and how many depends on the request: on Mooncake's conversation trace the new blocks of
+//!   requests of 64 blocks or more (long documents) return least. New blocks are classed by
+//!   their request's length in powers of four (1–3, 4–15, 16–63, 64 or more blocks);
+//! - a block a request has already reused, or that comes back after an eviction, and the
+//!   blocks before it in its request: it belongs to a conversation or document that returns,
+//!   and is likely to return again.
 //!
 //! Every entry has a *due* time on a clock that ticks once per key a request's finish (or a
-//! touch) walks. A new block is due when it was last walked; a reused one a *bonus* later
-//! (never before the latest reused entry), so it outlives new blocks; a new tail is evicted
-//! before either. The bonus starts at four turnovers of the cache (`4 × capacity` ticks) and
-//! adapts (U9): victims that come back soon after their eviction tell which class needed more
-//! room. A reused victim back lengthens the bonus, a new one shortens it, each weighed by its
-//! class's share of the recent victims. How much likelier a reused block is to return than a
-//! new one differs between workloads: on Mooncake's conversation trace the fixed four turnovers
-//! fell below LRU at 10 % capacity (0.2706 against 0.2789); adapted, 0.2900.
+//! touch) walks: when it was last walked plus its class's *bonus*, never before the latest
+//! entry of its class (a reused one: of any class but tails); a new tail is evicted before
+//! anything else. The reused class's bonus starts at four turnovers of the cache (`4 ×
+//! capacity` ticks), the new classes' at 0, and all adapt (U9): victims that come back soon
+//! after their eviction tell which class needed more room. A victim of a class back lengthens
+//! that class's bonus by a step weighed by one over its class's share of the recent victims,
+//! and every class's shortens by a fifth of the step, so the classes settle where a victim of
+//! any of them is about as likely to come back soon. A new class passing the reused one takes
+//! it along. How much likelier a reused block is to return than a new one differs between
+//! workloads: on Mooncake's conversation trace a fixed four turnovers fell below LRU at 10 %
+//! capacity (0.2706 against 0.2789); adapted, 0.2910.
 //!
-//! Victims are taken in due order. Since a request walks its keys tail to head, every request
-//! holding a block holds its whole prefix, and a reused entry is never due before the latest
-//! one, an entry's ancestors are never due before it: eviction takes a prefix's deepest blocks
-//! first and never strands a block behind a missing parent (lookups stop at the first miss).
+//! Victims are taken in due order. A request walks its keys tail to head, its new blocks
+//! share one class, a block walked after a reused one is reused too, and a reused entry is
+//! never due before the latest entry of any class but tails: so once every request holding a
+//! block has finished, its ancestors are never due before it, and eviction takes a prefix's
+//! deepest blocks first (unless those cannot be evicted: pinned or protected) rather than
+//! strand a block behind a missing parent (lookups stop at the first miss).
 //!
 //! Which blocks came back after an eviction is remembered by a *ghost* of two generations:
 //! keys evicted go into the current one unless either holds them; when the current one has
@@ -29,16 +38,18 @@
 //! the last 4 to 8 capacities of distinct evicted keys (at least the four turnovers the bonus
 //! starts at). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set in one
 //! 64-byte block): a false positive makes a new block look reused, so it stays a bonus longer
-//! and crowds out others. That is costly enough on multi-turn traffic (at 10 bits per key,
-//! about 1 % false positives, the Mooncake synthetic trace kept a third of the policy's gain at
-//! 5 % capacity: 0.1593 against 0.1652, LRU 0.1566) that the filters are sized for about one
+//! and crowds out others (or, when a key is evicted, keeps it out of the current generation).
+//! That is costly enough on multi-turn traffic (at 10 bits per key, about 1 % false
+//! positives, the Mooncake synthetic trace kept a third of the policy's gain at 5 % capacity:
+//! 0.1593 against 0.1652, LRU 0.1566) that the filters are sized for about one
 //! false positive in 7,000 lookups of a full generation. They never hold fewer than 4,096
 //! bits, so a small cache (a few dozen keys) practically never sees one. The recent victims of
 //! U9 are filters of the same kind.
 //!
 //! Each class is an intrusive list in due order, so every operation is O(1) but `select`,
-//! which merges the lists' heads. Metadata: 16 bytes per entry (links and due), 2 × 4 × 24
-//! bits = 24 bytes of ghost per block of capacity, and under one byte of recent victims.
+//! which merges the five lists' heads after the tails. Metadata: 16 bytes per entry (links
+//! and due), 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, and up to 3 bytes of
+//! recent victims (2 generations × 5 classes × 24 bits × a tenth of a capacity).
 
 use alloc::format;
 use alloc::string::String;
@@ -99,6 +110,9 @@ pub struct ReusePolicy {
     tail_next: bool,
     /// The keys of the request finishing (U4: its new class).
     finishing: usize,
+    /// The finishing request's walk has placed a key reused (U4: the keys after it, its
+    /// ancestors, are reused too).
+    walked_reused: bool,
     ghost: Ghost,
     /// The last victims and their classes, for U9.
     recent: Recent,
@@ -178,7 +192,8 @@ fn write_filter(out: &mut String, filter: &[u64]) {
 
 /// Filter blocks for `keys` keys: 24 bits per key, at least 4,096 bits.
 fn filter_blocks(keys: usize) -> usize {
-    (keys * BITS_PER_KEY).div_ceil(BLOCK_BITS).max(MIN_BLOCKS)
+    let bits = keys as u64 * BITS_PER_KEY as u64;
+    (bits.div_ceil(BLOCK_BITS as u64) as usize).max(MIN_BLOCKS)
 }
 
 /// The fraction of the capacity, in 40ths, each generation of the recent victims takes
@@ -315,6 +330,7 @@ impl ReusePolicy {
             capacity: capacity as u64,
             tail_next: false,
             finishing: 0,
+            walked_reused: false,
             ghost: Ghost::new(GHOST_GENERATION_CAPACITIES * capacity),
             recent: Recent::new(capacity),
         }
@@ -324,8 +340,8 @@ impl ReusePolicy {
     /// step of `capacity / 500` ticks times the recent victims over those of its class (one
     /// over its class's share), at most `capacity / 50` (a fiftieth of a turnover) and at
     /// least one tick; then every class's (that one's too) shortens by a fifth of the step
-    /// (the remainder carried to the next step), so the classes move against each other, and
-    /// no new class's exceeds the reused one's.
+    /// (the remainder carried to the next step), so the classes move against each other; a
+    /// new class's that passes the reused one's takes the reused one's with it.
     fn adapt(&mut self, class: usize) {
         let total = self.recent.held_all();
         let own = self.recent.held(class).max(1);
@@ -336,16 +352,15 @@ impl ReusePolicy {
         self.bonus[class] = (self.bonus[class] + step).min(max);
         // A fifth of the step, the remainder carried to the next (small caches' steps are
         // one tick).
+        // (One share per adapted class: the bonuses' sum stays put but for their bounds.)
         let fifths = self.fifths + step;
         let shrink = fifths / VICTIM_CLASSES as u64;
         self.fifths = fifths % VICTIM_CLASSES as u64;
         for b in &mut self.bonus[REUSED..] {
             *b = b.saturating_sub(shrink);
         }
-        let reused = self.bonus[REUSED];
-        for b in &mut self.bonus[NEW..] {
-            *b = (*b).min(reused);
-        }
+        // Only `class` can have passed the reused bonus: reused blocks keep up with it.
+        self.bonus[REUSED] = self.bonus[REUSED].max(self.bonus[class]);
     }
 
     /// Places `id` at the end of `class` with due time `due`.
@@ -457,6 +472,7 @@ impl EvictionPolicy for ReusePolicy {
     fn begin_finish(&mut self, keys: usize) {
         self.tail_next = true; // U3
         self.finishing = keys;
+        self.walked_reused = false;
     }
 
     fn finish(&mut self, _key: &Key, resident: Option<u32>, used: Use) {
@@ -466,10 +482,20 @@ impl EvictionPolicy for ReusePolicy {
             return;
         };
         match used {
-            Use::Reused | Use::Promoted | Use::Seen => self.reuse(id),
-            Use::Inserted if self.lists.list_of(id) == Some(REUSED) => self.reuse(id),
-            Use::Inserted if tail => self.place(id, TAIL, self.clock),
-            Use::Inserted => self.place_new(id, new_class(self.finishing)),
+            // A stored block is a tail or new unless it is reused already or a block walked
+            // before it (a descendant) was placed reused: then it is reused too, so that it
+            // is not due before that descendant.
+            Use::Inserted if !self.walked_reused && self.lists.list_of(id) != Some(REUSED) => {
+                if tail {
+                    self.place(id, TAIL, self.clock);
+                } else {
+                    self.place_new(id, new_class(self.finishing));
+                }
+            }
+            _ => {
+                self.reuse(id);
+                self.walked_reused = true;
+            }
         }
     }
 
@@ -558,7 +584,7 @@ impl EvictionPolicy for ReusePolicy {
                 if due < last {
                     return Err(format!("class {class}: id {id} due before its predecessor"));
                 }
-                if due > self.clock + max {
+                if due > self.clock + max || (class == TAIL && due > self.clock) {
                     return Err(format!("id {id} due after the clock's reach"));
                 }
                 last = due;
@@ -791,7 +817,7 @@ mod tests {
         p.check().unwrap();
     }
 
-    /// U9: no new class's bonus exceeds the reused one's.
+    /// U9: a new class's bonus passing the reused one's takes it along.
     #[test]
     fn a_new_class_never_outlives_reused_blocks() {
         let kk = |i: u16| Key::from(i.to_le_bytes());
@@ -801,9 +827,42 @@ mod tests {
             p.recent.push(&kk(i), NEW + 3);
         }
         p.recent.push(&kk(100), NEW);
-        p.insert(0, &kk(100)); // + min(1000 × 21 / 500, 20), all − 4: 16, then at most 1
-        assert_eq!(p.bonus[REUSED..], [1, 1, 0, 0, 0]);
+        p.insert(0, &kk(100)); // + min(1000 × 21 / 500, 20), all − 4: 16, reused 1 → 16
+        assert_eq!(p.bonus[REUSED..], [16, 16, 0, 0, 0]);
         p.check().unwrap();
+    }
+
+    /// U4: a stored block walked after one placed reused (its descendant, back after an
+    /// eviction) is reused too, so that it is not due before it; a stored tail back after an
+    /// eviction is reused, and so are the blocks after it.
+    #[test]
+    fn ancestors_of_a_reused_block_are_reused() {
+        let mut p = ReusePolicy::new(4);
+        p.insert(1, &k(1));
+        p.evict(1, &k(1)); // 1 is in the ghost
+        for i in 0..3 {
+            p.insert(u32::from(i), &k(i));
+        }
+        finish(
+            &mut p,
+            &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)],
+        );
+        let classes = |p: &ReusePolicy| [0, 1, 2].map(|i| p.lists.list_of(i).expect("held"));
+        assert_eq!(classes(&p), [REUSED, REUSED, TAIL]);
+        assert!(p.due[0] >= p.due[1]);
+        assert_eq!(order(&p), [2, 1, 0]);
+        let mut p = ReusePolicy::new(4);
+        p.insert(2, &k(2));
+        p.evict(2, &k(2)); // the tail is in the ghost
+        for i in 0..3 {
+            p.insert(u32::from(i), &k(i));
+        }
+        finish(
+            &mut p,
+            &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)],
+        );
+        assert_eq!(classes(&p), [REUSED; 3]);
+        assert_eq!(order(&p), [2, 1, 0]);
     }
 
     /// U2, U9: a shorter bonus places a reused entry no earlier than the latest reused one.
