@@ -121,7 +121,7 @@ enum Recency {
         clock: u64,
         /// Orders placements (ties in due time within a class).
         placed: u64,
-        /// How far ahead a key of each class is due (U9), tails' first (always 0): reused
+        /// How far ahead a key of each class but tails is due (U9; tails: now): reused
         /// `4 × cap` at first, new 0, then adapted.
         bonus: BTreeMap<ReuseClass, u64>,
         /// U9: what the steps left over after taking their fifths (0..5).
@@ -612,7 +612,7 @@ impl Recency {
                 // has 4 × cap keys, the other is emptied and becomes the current one.
                 let limit = (4 * *cap).div_ceil(40);
                 for v in victims {
-                    // U9: every new or reused victim, repeats too.
+                    // U9: every victim but tails, repeats too.
                     match entries.get(v).map(|e| e.class) {
                         Some(c) if c != ReuseClass::Tail && limit > 0 => {
                             recent[*recent_current].push((v.clone(), c));

@@ -108,7 +108,7 @@ pub struct ReusePolicy {
     capacity: u64,
     /// The next finished key is its request's tail (U3).
     tail_next: bool,
-    /// The keys of the request finishing (U4: its new class).
+    /// The new class of the request finishing (U4: by its length).
     finishing: usize,
     /// The finishing request's walk has placed a key reused (U4: the keys after it, its
     /// ancestors, are reused too).
@@ -329,7 +329,7 @@ impl ReusePolicy {
             fifths: 0,
             capacity: capacity as u64,
             tail_next: false,
-            finishing: 0,
+            finishing: NEW,
             walked_reused: false,
             ghost: Ghost::new(GHOST_GENERATION_CAPACITIES * capacity),
             recent: Recent::new(capacity),
@@ -350,9 +350,8 @@ impl ReusePolicy {
             .max(1);
         let max = MAX_BONUS_TURNOVERS * self.capacity;
         self.bonus[class] = (self.bonus[class] + step).min(max);
-        // A fifth of the step, the remainder carried to the next (small caches' steps are
-        // one tick).
-        // (One share per adapted class: the bonuses' sum stays put but for their bounds.)
+        // A fifth of the step (one share per adapted class: the bonuses' sum stays put but for
+        // their bounds), the remainder carried to the next (small caches' steps are one tick).
         let fifths = self.fifths + step;
         let shrink = fifths / VICTIM_CLASSES as u64;
         self.fifths = fifths % VICTIM_CLASSES as u64;
@@ -471,7 +470,7 @@ impl EvictionPolicy for ReusePolicy {
 
     fn begin_finish(&mut self, keys: usize) {
         self.tail_next = true; // U3
-        self.finishing = keys;
+        self.finishing = new_class(keys);
         self.walked_reused = false;
     }
 
@@ -489,7 +488,7 @@ impl EvictionPolicy for ReusePolicy {
                 if tail {
                     self.place(id, TAIL, self.clock);
                 } else {
-                    self.place_new(id, new_class(self.finishing));
+                    self.place_new(id, self.finishing);
                 }
             }
             _ => {
@@ -530,11 +529,10 @@ impl EvictionPolicy for ReusePolicy {
         for (class, head) in heads.iter_mut().enumerate().skip(REUSED) {
             *head = self.lists.front(class);
         }
-        // The order classes are tried in on a tie.
-        const TIES: [usize; VICTIM_CLASSES] = [2, 3, 4, 5, REUSED];
         loop {
             let mut best: Option<(u64, usize)> = None;
-            for class in TIES {
+            // On a tie the first class tried wins: the new ones in order, then reused.
+            for class in (NEW..CLASSES).chain([REUSED]) {
                 if let Some(id) = heads[class] {
                     let due = self.due[id as usize];
                     if best.is_none_or(|(d, _)| due < d) {
