@@ -169,9 +169,12 @@ struct Inner {
     workers: u16,
     /// Whether there are secondary tiers (a lookup may start a promotion).
     tiers: bool,
-    /// Requests that stored or loaded a key before its position was recorded: their
-    /// positions are read again when they finish.
-    unpositioned: HashSet<RequestId>,
+    /// Keys a request named before vLLM recorded their positions: read again, through the
+    /// request context's public accessor, when the request finishes.
+    unpositioned: HashMap<RequestId, Vec<Py<PyAny>>>,
+    /// Scheduler steps left before a cache reset's fence ends without `on_reset_flushed`
+    /// (for a vLLM that never calls it; see `reset_cache`).
+    fence_steps: Option<u32>,
     /// The request context of the last call and its id: consecutive calls for one request
     /// (a lookup per block) skip reading and hashing its `req_id`. Holding the object keeps
     /// its address from being reused.
@@ -198,7 +201,7 @@ impl Inner {
         keys: &mut Vec<Key>,
         ctx: &Bound<'_, PyAny>,
         items: &[Bound<'_, PyAny>],
-        positions: Option<&Bound<'_, PyDict>>,
+        positions: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<RequestId> {
         keys.clear();
         for item in items {
@@ -206,20 +209,16 @@ impl Inner {
         }
         let req = self.request_of(ctx)?;
         let driver = live(&mut self.driver)?;
-        let mut all = true;
-        match positions.filter(|p| !p.is_empty() && !cfg!(kvtier_mutant = "no_store_positions")) {
-            Some(positions) => {
-                for (item, key) in items.iter().zip(keys.iter()) {
-                    match positions.get_item(item)?.map(|v| v.extract::<u64>()) {
-                        Some(Ok(end)) => driver.set_position(req, key, end),
-                        _ => all = false,
-                    }
-                }
+        let mut missing = Vec::new();
+        let positions = positions.filter(|_| !cfg!(kvtier_mutant = "no_store_positions"));
+        for (item, key) in items.iter().zip(keys.iter()) {
+            match position_of(positions, item)? {
+                Some(end) => driver.set_position(req, key, end),
+                None => missing.push(item.clone().unbind()),
             }
-            None => all = items.is_empty(),
         }
-        if !all {
-            self.unpositioned.insert(req);
+        if !missing.is_empty() {
+            self.unpositioned.entry(req).or_default().extend(missing);
         }
         Ok(req)
     }
@@ -430,11 +429,26 @@ fn key_of(k: &Bound<'_, PyAny>) -> PyResult<Key> {
     }
 }
 
-/// The request's key positions (`req_context._offload_key_positions`), if it has them.
-fn positions<'py>(ctx: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
-    ctx.getattr(intern!(ctx.py(), "_offload_key_positions"))
+/// The request context's public accessor of key positions (`get_offload_key_position`),
+/// if it has one (a context of vLLM's; kvtier's spec refuses a vLLM whose context lacks it).
+fn positions<'py>(ctx: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
+    ctx.getattr(intern!(ctx.py(), "get_offload_key_position"))
         .ok()
-        .and_then(|p| p.cast_into::<PyDict>().ok())
+}
+
+/// The position vLLM recorded for key `item` (the end token of its block), if any.
+fn position_of(
+    accessor: Option<&Bound<'_, PyAny>>,
+    item: &Bound<'_, PyAny>,
+) -> PyResult<Option<u64>> {
+    let Some(get) = accessor else {
+        return Ok(None);
+    };
+    let v = get.call1((item,))?;
+    if v.is_none() {
+        return Ok(None);
+    }
+    Ok(v.extract::<u64>().ok())
 }
 
 fn items<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
@@ -567,7 +581,8 @@ impl Manager {
                 keys: Vec::new(),
                 shutdown_timeout,
                 last: None,
-                unpositioned: HashSet::new(),
+                unpositioned: HashMap::new(),
+                fence_steps: None,
                 objects: (0..num_blocks).map(|_| None).collect(),
                 sealed_with: vec![0; num_blocks as usize],
                 generation: 0,
@@ -616,15 +631,11 @@ impl Manager {
         if inner.tiers {
             // A lookup may promote the block, inserting it for this request, ranked by its
             // position as a store's block is.
-            let position = positions(req_context)
-                .map(|p| p.get_item(key_obj))
-                .transpose()?
-                .flatten()
-                .and_then(|v| v.extract::<u64>().ok());
-            match position {
+            match position_of(positions(req_context).as_ref(), key_obj)? {
                 Some(end) => inner.driver()?.set_position(req, &key, end),
                 None => {
-                    inner.unpositioned.insert(req);
+                    let item = key_obj.clone().into_any().unbind();
+                    inner.unpositioned.entry(req).or_default().push(item);
                 }
             }
         }
@@ -897,16 +908,14 @@ impl Manager {
         inner.promoted.remove(&req);
         // vLLM records a key's position when it makes the key, before any call names it, and
         // never changes it: the positions sent with the request's stores and loads are the
-        // ones vLLM's policies read now. Only a request that named a key before its position
-        // was recorded has its positions read again.
-        let reread = inner.unpositioned.remove(&req);
+        // ones vLLM's policies read now. Only keys named before their position was recorded
+        // are asked again.
+        let reread = inner.unpositioned.remove(&req).unwrap_or_default();
         let driver = inner.driver()?;
-        if let Some(positions) = positions.filter(|_| reread) {
-            for (k, v) in positions.iter() {
-                let (Ok(k), Ok(v)) = (k.cast::<PyBytes>(), v.extract::<u64>()) else {
-                    continue;
-                };
-                driver.set_position(req, &Key::new(k.as_bytes()), v);
+        for item in reread {
+            let item = item.bind(py);
+            if let Some(end) = position_of(positions.as_ref(), item)? {
+                driver.set_position(req, &key_of(item)?, end);
             }
         }
         driver.request_finished(req);
@@ -917,7 +926,19 @@ impl Manager {
     #[pyo3(signature = (context = None))]
     fn on_schedule_end(&self, py: Python<'_>, context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let _ = context;
-        self.lock(py).driver()?.end_step();
+        let mut inner = self.lock(py);
+        if let Some(n) = inner.fence_steps {
+            if n <= 1 {
+                // Every job in flight at the reset has ended: promotions may take freed slots
+                // again, from this step's on.
+                inner.fence_steps = None;
+                inner.driver()?.reset_flushed();
+            } else {
+                inner.fence_steps = Some(n - 1);
+            }
+        }
+        inner.driver()?.end_step();
+        drop(inner);
         // Once a step, the step's warnings (a failed tier job, say) reach Python's logging.
         crate::log::flush(py)
     }
@@ -963,14 +984,18 @@ impl Manager {
     }
 
     /// vLLM's `reset_cache`: waits (GIL released) for the tiers' IO in flight, then the
-    /// primary forgets every block; promotions are held until `on_reset_flushed`.
-    fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
+    /// primary forgets every block; promotions are held until `on_reset_flushed`, or, with
+    /// `fence_steps = n`, until the `n`-th `on_schedule_end` from now (for a vLLM that never
+    /// calls `on_reset_flushed`), whichever comes first.
+    #[pyo3(signature = (fence_steps = None))]
+    fn reset_cache(&self, py: Python<'_>, fence_steps: Option<u32>) -> PyResult<()> {
         py.detach(|| {
             let mut inner = lock(&self.inner);
             let timeout = inner.shutdown_timeout;
             let out = inner.driver().map(|d| d.reset_cache(timeout));
             if matches!(out, Ok(Ok(()))) {
                 inner.promoted.clear();
+                inner.fence_steps = fence_steps.map(|n| n.max(1));
             }
             out
         })
@@ -979,7 +1004,9 @@ impl Manager {
 
     /// vLLM's `on_reset_flushed`.
     fn on_reset_flushed(&self, py: Python<'_>) -> PyResult<()> {
-        self.lock(py).driver()?.reset_flushed();
+        let mut inner = self.lock(py);
+        inner.fence_steps = None;
+        inner.driver()?.reset_flushed();
         Ok(())
     }
 

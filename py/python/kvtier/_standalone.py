@@ -176,7 +176,11 @@ class CanonicalKVCaches:
 
 
 class OffloadingManager:
-    """Base of scheduler-side managers."""
+    """Base of scheduler-side managers (vLLM 0.33's shape: the caller reports a reset's
+    flush through ``on_reset_flushed``)."""
+
+    def on_reset_flushed(self) -> None:
+        """Called once the jobs in flight at the last ``reset_cache`` have ended."""
 
 
 class OffloadingWorker:

@@ -22,6 +22,7 @@ own types; without it they use the same shapes from ``kvtier._standalone``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -55,6 +56,49 @@ OffloadingEvent = _base.OffloadingEvent
 PrepareStoreOutput = _base.PrepareStoreOutput
 RequestOffloadingContext = _base.RequestOffloadingContext
 TransferResult = _base.TransferResult
+
+
+def _fields(cls: type) -> frozenset[str]:
+    try:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+    except TypeError:
+        return frozenset()
+
+
+# What the running vLLM offers, detected by feature, never by version string. vLLM 0.32 lacks
+# each of these; 0.33 has them all.
+#: ``OffloadingEvent.metadata_only``: a failed store's removal is reported (0.33). Without
+#: it the failed store's blocks are not announced at all, as vLLM 0.32's own manager does.
+EVENT_METADATA_ONLY = "metadata_only" in _fields(OffloadingEvent)
+#: ``OffloadingManager.on_reset_flushed``: the connector says when the jobs in flight at a
+#: cache reset have ended (0.33). Without it kvtier ends the fence itself, after
+#: ``reset_fence_steps`` scheduler steps (see ``KvtierOffloadingManager.reset_cache``).
+RESET_FLUSHED_CALLED = hasattr(_base.OffloadingManager, "on_reset_flushed")
+
+#: The request context's public accessor of a key's position (vLLM 0.32 and 0.33): kvtier
+#: orders a finished request's blocks by it, as vLLM's own policies do, and refuses to start
+#: without it rather than drift from vLLM's eviction order.
+POSITION_ACCESSOR = "get_offload_key_position"
+
+
+def _need(obj: Any, path: str) -> Any:
+    """``obj``'s attribute ``path`` (dotted), or a ``ConfigError`` naming what this vLLM
+    lacks."""
+    value = obj
+    for name in path.split("."):
+        try:
+            value = getattr(value, name)
+        except AttributeError:
+            raise ConfigError(
+                f"this vLLM's OffloadingConfig has no {path}: kvtier needs it and cannot run "
+                "(supported: vLLM 0.32 and 0.33)"
+            ) from None
+    return value
+
+
+def _opt(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj.name`` where this vLLM has it (a field another release may add or drop)."""
+    return getattr(obj, name, default)
 
 __all__ = [
     "HAVE_VLLM",
@@ -169,6 +213,9 @@ class Settings:
     io_threads: int = 4
     shutdown_timeout_s: float = 30.0
     attach_timeout_s: float = 60.0
+    #: Pipeline stages of the engine (vLLM's ``pp_size``): how many scheduler steps may run
+    #: ahead of the workers, which bounds the reset fence where vLLM does not end it.
+    pipeline_stages: int = 1
     #: Whether the manager makes a stored block readable only once every rank sealed its
     #: copy (on whenever workers copy the blocks; off only where nothing does, as in a
     #: replay of the calls alone).
@@ -186,18 +233,25 @@ class Settings:
         extra = config.extra_config or {}
         cpu_bytes = _int_setting(extra, "cpu_bytes_to_use", None, 1)
         policy = extra.get("eviction_policy", "lru")
-        if policy not in ("lru", "arc"):
+        if policy not in ("lru", "arc", "reuse"):
             raise ConfigError(
-                f"kv_connector_extra_config.eviction_policy: {policy!r} is not \"lru\" or \"arc\""
+                f"kv_connector_extra_config.eviction_policy: {policy!r} is not \"lru\", "
+                "\"arc\" or \"reuse\""
             )
         if extra.get("cache_policy_module_path"):
             raise ConfigError(
                 "kv_connector_extra_config.cache_policy_module_path: kvtier's policies are "
-                "its own (\"lru\", \"arc\"); out-of-tree policies are not loaded"
+                "its own (\"lru\", \"arc\", \"reuse\"); out-of-tree policies are not loaded"
             )
-        bpc = int(config.cache.blocks_per_chunk)
-        worker_bytes = int(config.worker_kv_bytes_per_block)
-        workers = int(config.parallel.world_size)
+        if not hasattr(getattr(_base, "ReqContext", None), POSITION_ACCESSOR):
+            raise ConfigError(
+                "this vLLM's ReqContext has no get_offload_key_position: kvtier orders "
+                "eviction by vLLM's key positions and cannot run without it"
+            )
+        bpc = int(_need(config, "cache.blocks_per_chunk"))
+        worker_bytes = int(_need(config, "worker_kv_bytes_per_block"))
+        par = _need(config, "parallel")
+        workers = int(_need(par, "world_size"))
         if worker_bytes <= 0 or workers <= 0:
             raise ConfigError(
                 "worker_kv_bytes_per_block: vLLM reported no KV cache bytes per block "
@@ -218,26 +272,35 @@ class Settings:
             if not isinstance(t, Mapping):
                 raise ConfigError(f"kv_connector_extra_config.secondary_tiers[{i}]: not a table")
         region_dir = str(extra.get("region_dir", "/dev/shm"))
-        engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(config.engine_id)) or "engine"
-        model, par = config.model, config.parallel
+        engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(_opt(config, "engine_id", ""))) or "engine"
+        model = _need(config, "model")
         # What a file tier's blocks are: a tier written under any other model, dtype, layout,
-        # parallelism or cache geometry is refused at open, never read.
+        # parallelism or cache geometry is refused at open, never read. Fields one vLLM
+        # release has and another lacks (a group's sliding window is 0.33's) count as None.
         groups = [
-            (g.group_id, g.tokens_per_block, g.sliding_window_size_in_chunks, list(g.layer_names))
-            for g in config.groups
+            (
+                _need(g, "group_id"),
+                _need(g, "tokens_per_block"),
+                _opt(g, "sliding_window_size_in_chunks"),
+                list(_need(g, "layer_names")),
+            )
+            for g in _need(config, "groups")
         ]
         identity = "kvtier/vllm/" + hashlib.sha256(
             repr(
                 (
-                    model.name, model.dtype, config.kv_cache_layout, groups,
-                    workers, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size,
-                    worker_bytes, bpc, config.cache.tokens_per_hash,
-                    bool(config.replicated_layout), bool(config.canonical_layout),
+                    _need(model, "name"), _need(model, "dtype"),
+                    _opt(config, "kv_cache_layout"), groups,
+                    workers, _opt(par, "tp_size", 1), _opt(par, "pp_size", 1),
+                    _opt(par, "pcp_size", 1), _opt(par, "dcp_size", 1),
+                    worker_bytes, bpc, _opt(_need(config, "cache"), "tokens_per_hash"),
+                    bool(_opt(config, "replicated_layout", False)),
+                    bool(_opt(config, "canonical_layout", False)),
                 )
             ).encode()
         ).hexdigest()
         # Data-parallel engines on one node share the config: each gets its own directory.
-        if int(par.data_parallel_size) > 1:
+        if int(_opt(par, "data_parallel_size", 1)) > 1:
             tiers = [
                 {**t, "path": os.path.join(str(t.get("path", "")), f"dp{par.data_parallel_index}")}
                 if "path" in t
@@ -248,12 +311,13 @@ class Settings:
             num_blocks=num_blocks,
             policy=policy,
             workers=workers,
-            rank=int(config.parallel.rank),
+            rank=int(_need(par, "rank")),
+            pipeline_stages=int(_opt(par, "pp_size", 1) or 1),
             block_bytes_per_worker=per_worker,
             blocks_per_chunk=bpc,
             region_path=os.path.join(region_dir, f"kvtier-{engine}"),
             tiers=tuple(dict(t) for t in tiers),
-            events=bool(config.enable_kv_cache_events),
+            events=bool(_opt(config, "enable_kv_cache_events", False)),
             store_threshold=_int_setting(extra, "store_threshold", 0, 0),
             max_tracker_size=_int_setting(extra, "max_tracker_size", 64_000, 1),
             identity=identity,
@@ -368,14 +432,27 @@ class KvtierOffloadingManager(_base.OffloadingManager):
                 medium, locality, ownership = Medium.CPU, None, None
             else:
                 medium, locality, ownership = self._tier_media[tier]
-            yield OffloadingEvent(
-                keys=keys,
-                medium=medium,
-                removed=kind != 0,
-                locality=locality,
-                ownership=ownership,
-                metadata_only=kind == 2,
-            )
+            if kind == 2:
+                if not EVENT_METADATA_ONLY:
+                    # This vLLM announces no removal for a failed store (0.32's own
+                    # manager sends none): the blocks were never announced stored.
+                    continue
+                yield OffloadingEvent(
+                    keys=keys,
+                    medium=medium,
+                    removed=True,
+                    locality=locality,
+                    ownership=ownership,
+                    metadata_only=True,
+                )
+            else:
+                yield OffloadingEvent(
+                    keys=keys,
+                    medium=medium,
+                    removed=kind != 0,
+                    locality=locality,
+                    ownership=ownership,
+                )
 
     def on_schedule_end(self, context: Any = None) -> None:
         self._native.on_schedule_end()
@@ -384,10 +461,22 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         return self._native.has_pending_work()
 
     def reset_cache(self) -> None:
-        self._native.reset_cache()
+        self._native.reset_cache(None if RESET_FLUSHED_CALLED else self.reset_fence_steps)
 
     def on_reset_flushed(self) -> None:
         self._native.on_reset_flushed()
+
+    @property
+    def reset_fence_steps(self) -> int:
+        """Scheduler steps after a cache reset by which every job in flight at the reset has
+        ended, where vLLM does not say so (vLLM 0.32 never calls ``on_reset_flushed``).
+
+        vLLM hands the workers the reset's jobs to flush with the next step, and each worker
+        waits for them before it runs that step. The scheduler learns a step's output before
+        it schedules the step ``B`` later, ``B`` being the batches it keeps in flight: one, or
+        two with asynchronous scheduling, or one per pipeline stage. Counting two per stage,
+        plus the step that carries the flush and one more, bounds them all."""
+        return 2 + 2 * max(1, self.settings.pipeline_stages)
 
     def get_stats(self) -> Any:
         usage, write_usage, read_usage, sizes, skipped = self._native.take_metrics()
