@@ -41,6 +41,40 @@ def offloading_config(
     )
 
 
+@pytest.mark.parametrize(
+    "groups, bpc, max_len",
+    [
+        ([(16, None)], 1, 4096),
+        ([(16, None)], 2, 1000),
+        ([(16, None), (16, 3), (32, None)], 1, 4097),
+        ([(16, 100)], 4, 4096),
+        ([(16, None)], 1, 0),
+        ([], 1, 4096),
+    ],
+)
+def test_kv_cache_size_tokens_is_vllms(vllm, groups, bpc, max_len):
+    """``cpu_kv_cache_size_tokens`` is the figure vLLM's CPU tier reports for the same
+    config: sliding windows, several groups, chunks of several blocks, unknown lengths."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload import config as c
+
+    config = SimpleNamespace(
+        groups=tuple(
+            c.OffloadingGroupConfig(
+                tokens_per_block=t, layer_names=(f"l{i}",), group_id=i,
+                sliding_window_size_in_chunks=w,
+            )
+            for i, (t, w) in enumerate(groups)
+        ),
+        model=SimpleNamespace(max_model_len=max_len),
+        cache=SimpleNamespace(blocks_per_chunk=bpc),
+    )
+    for chunks in (0, 1, 7, 1000):
+        theirs = vllm.cpu_common.CPUOffloadingInfo.from_config(config, chunks, 1)
+        assert kv._kv_cache_size_tokens(config, chunks) == theirs.cpu_kv_cache_size_tokens
+
+
 def readme_extra(region_dir, tier_dir):
     """The README's kv_connector_extra_config, with test paths."""
     return {
@@ -84,7 +118,14 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
         assert isinstance(manager, vllm.base.OffloadingManager)
         assert spec.get_manager() is manager
         assert spec.settings.num_blocks == 64
-        assert manager.config_info()[0]["cpu_num_chunks"] == 64
+        info = manager.config_info()[0]
+        assert info["cpu_num_chunks"] == 64
+        assert tuple(info) == spec.config_info_keys(config.extra_config)
+        # vLLM's CPU tier's labels, with its own figure of tokens.
+        theirs = vllm.cpu_common.CPUOffloadingInfo.from_config(config, 64, 1).as_config_info()
+        assert set(theirs) <= set(info)
+        assert info["cpu_kv_cache_size_tokens"] == theirs["cpu_kv_cache_size_tokens"] == 1024
+        assert manager.medium is vllm.Medium.CPU
         ctx = vllm.ReqContext(req_id="r")
         with manager.lock:
             assert manager.on_new_request(ctx).policy is vllm.base.OffloadPolicy.CHUNK_LEVEL
@@ -92,7 +133,8 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
             assert manager.lookup(key, ctx) is vllm.LookupResult.MISS
             out = manager.prepare_store([key], ctx)
             assert isinstance(out, vllm.base.PrepareStoreOutput)
-            assert isinstance(out.store_spec, vllm.base.LoadStoreSpec)
+            assert isinstance(out.store_spec, vllm.cpu_common.CPULoadStoreSpec)
+            assert out.store_spec.chunk_ids.tolist() == [0]
         # The spec reaches the workers pickled (vLLM's multiprocess executors): the copy
         # names the same slots and seal.
         sent = pickle.loads(pickle.dumps(out.store_spec))

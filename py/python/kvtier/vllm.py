@@ -49,6 +49,11 @@ except ImportError:
 
     HAVE_VLLM = False
 
+try:  # vLLM's spec of CPU slots: the tiering layer and vLLM's tests check for it.
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as _SlotsSpec
+except ImportError:
+    _SlotsSpec = _base.BlockIDsLoadStoreSpec
+
 LookupResult = _base.LookupResult
 Medium = _base.Medium
 Locality = _base.Locality
@@ -122,8 +127,10 @@ CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
 STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
 
 
-class KvtierLoadStoreSpec(_base.BlockIDsLoadStoreSpec):
-    """Primary slots (chunks of the shared region), one per offloaded block.
+class KvtierLoadStoreSpec(_SlotsSpec):
+    """Primary slots (chunks of the shared region), one per offloaded block: a vLLM
+    ``CPULoadStoreSpec`` where vLLM has that class (``block_ids`` and ``chunk_ids`` are the
+    slots), else a ``BlockIDsLoadStoreSpec``.
 
     The manager answers the slots packed as native ``int32`` bytes: the scheduler only hands
     a spec on to the workers, so the array ``block_ids`` is made where it is read, on first
@@ -174,6 +181,25 @@ def _int_setting(extra: Mapping[str, Any], key: str, default: int | None, minimu
     return number
 
 
+def _kv_cache_size_tokens(config: Any, num_chunks: int) -> int | None:
+    """The KV tokens ``num_chunks`` slots hold for requests of ``max_model_len`` tokens: the
+    slots times that length, over the slots one such request takes (every group's chunks, a
+    sliding window's group at most its window), rounded down. vLLM's CPU tier reports the
+    same figure as ``cpu_kv_cache_size_tokens``; ``None`` when the length or the groups are
+    unknown."""
+    max_model_len = int(getattr(config.model, "max_model_len", 0) or 0)
+    groups = list(config.groups)
+    if max_model_len <= 0 or not groups:
+        return None
+    per_request = 0
+    for g in groups:
+        chunk_tokens = int(g.tokens_per_block) * int(config.cache.blocks_per_chunk)
+        chunks = -(-max_model_len // chunk_tokens)
+        window = g.sliding_window_size_in_chunks
+        per_request += chunks if window is None else min(chunks, int(window))
+    return num_chunks * max_model_len // per_request
+
+
 def _float_setting(extra: Mapping[str, Any], key: str, default: float) -> float:
     value = extra.get(key, default)
     try:
@@ -220,6 +246,9 @@ class Settings:
     #: copy (on whenever workers copy the blocks; off only where nothing does, as in a
     #: replay of the calls alone).
     verify_stores: bool = True
+    #: KV tokens the primary tier holds for requests of the model's longest length, as
+    #: vLLM's CPU tier reports it (``None``: the length or the groups are not known).
+    kv_cache_size_tokens: int | None = None
 
     @property
     def row_bytes(self) -> int:
@@ -324,6 +353,7 @@ class Settings:
             io_threads=_int_setting(extra, "io_threads", 4, 1),
             shutdown_timeout_s=_float_setting(extra, "shutdown_timeout_s", 30.0),
             attach_timeout_s=_float_setting(extra, "attach_timeout_s", 60.0),
+            kv_cache_size_tokens=_kv_cache_size_tokens(config, num_blocks),
         )
 
 
@@ -339,6 +369,15 @@ class KvtierOffloadingManager(_base.OffloadingManager):
 
     def __init__(self, settings: Settings, *, prefault_threads: int = 4):
         self.settings = settings
+        #: The primary tier's medium, as vLLM's CPU manager has it (its events carry it).
+        self.medium = Medium.CPU
+        if settings.num_blocks < 1:
+            # vLLM's CPU manager accepts zero slots and then never stores anything; kvtier's
+            # core and region have at least one slot (docs/vllm.md).
+            raise ConfigError(
+                f"num_blocks: {settings.num_blocks}: kvtier's primary tier needs at least one "
+                "slot (without room for a block, leave the offloading connector out)"
+            )
         self._native = _native.Manager(
             num_blocks=settings.num_blocks,
             policy=settings.policy,
@@ -511,6 +550,10 @@ class KvtierOffloadingManager(_base.OffloadingManager):
                 "cpu_num_chunks": s.num_blocks,
                 "cpu_blocks_per_chunk": s.blocks_per_chunk,
                 "cpu_kv_cache_size_bytes": s.num_blocks * s.row_bytes,
+                # vLLM writes an unknown value as "None".
+                "cpu_kv_cache_size_tokens": (
+                    "None" if s.kv_cache_size_tokens is None else s.kv_cache_size_tokens
+                ),
                 "kvtier_secondary_tiers": len(s.tiers),
             }
         ]
@@ -710,6 +753,7 @@ class KvtierOffloadingSpec(_base.OffloadingSpec):
             "cpu_num_chunks",
             "cpu_blocks_per_chunk",
             "cpu_kv_cache_size_bytes",
+            "cpu_kv_cache_size_tokens",
             "kvtier_secondary_tiers",
         )
 
