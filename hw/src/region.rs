@@ -1737,6 +1737,20 @@ mod tests {
         PathBuf::from(format!("@kvtier-test-{}-{tag}", std::process::id()))
     }
 
+    /// No entry of `/dev/shm` bears the name of the anonymous region `path`.
+    fn assert_no_file_in_dev_shm(path: &Path) {
+        let name = path.to_str().unwrap().trim_start_matches(ANONYMOUS_PREFIX);
+        let files: Vec<String> = names(Path::new("/dev/shm"))
+            .into_iter()
+            .filter(|n| n.contains(name))
+            .collect();
+        assert_eq!(
+            files,
+            Vec::<String>::new(),
+            "an anonymous region has a file"
+        );
+    }
+
     /// The name form decides the kind: `@NAME` is anonymous, any other path a file.
     #[test]
     fn the_name_decides_the_kind() {
@@ -1767,13 +1781,7 @@ mod tests {
         let mut back = [0; 16];
         owner.read_sub(SlotId(1), 0, &mut back).unwrap();
         assert_eq!(back, [9; 16]);
-        let name = path.to_str().unwrap().trim_start_matches(ANONYMOUS_PREFIX);
-        assert!(
-            !names(Path::new("/dev/shm"))
-                .iter()
-                .any(|n| n.contains(name)),
-            "an anonymous region has a file"
-        );
+        assert_no_file_in_dev_shm(&path);
         child.kill();
     }
 
@@ -1870,13 +1878,7 @@ mod tests {
             freed >= region * 3 / 4,
             "Shmem fell by {freed} bytes, not by about the region's {region}"
         );
-        let name = path.to_str().unwrap().trim_start_matches(ANONYMOUS_PREFIX);
-        assert!(
-            !names(Path::new("/dev/shm"))
-                .iter()
-                .any(|n| n.contains(name)),
-            "the killed region left a file"
-        );
+        assert_no_file_in_dev_shm(&path);
         let err = attach(&path).unwrap_err();
         assert!(matches!(err, RegionError::AttachTimeout { .. }), "{err:?}");
 
