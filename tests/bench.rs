@@ -9,7 +9,7 @@ fn small(dir: &Path) -> BenchSettings {
     BenchSettings {
         cpu_bytes: 256 * 4096,
         block_bytes: 4096,
-        region_dir: dir.to_path_buf(),
+        region_dir: Some(dir.to_path_buf()),
         tiers: vec![TierSettings::new(Some(dir.join("tier")), 1024 * 2 * 4096)],
         ..BenchSettings::default()
     }

@@ -1,6 +1,7 @@
 //! kvtier-hw binds the pure `kvtier-core` state machine to real memory, GPUs and disks.
 //!
-//! - [`Region`]: the primary tier's bytes, a shared-memory file mapped by every worker process.
+//! - [`Region`]: the primary tier's bytes, shared memory mapped by every worker process:
+//!   anonymous (freed with the last process that holds it) or a file.
 //! - [`TransferEngine`]: GPU ↔ CPU copies; [`HostEngine`] here, `CudaEngine` with the `cuda`
 //!   feature.
 //! - [`SecondaryStore`]: a tier's block storage; [`FileStore`] is the persistent file tier,
@@ -48,7 +49,10 @@ pub use io::{JobPath, TierDone};
 pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};
 pub use queue::{Countdown, Queue};
 pub use redis_store::{RedisOptions, RedisStore};
-pub use region::{HostMemory, Layout, PAGE, Region, RegionError, free_bytes, page_align};
+pub use region::{
+    ANONYMOUS_PREFIX, HostMemory, Layout, PAGE, Region, RegionError, RegionKind, free_bytes,
+    page_align,
+};
 pub use store::{SecondaryStore, StoreError};
 
 #[cfg(feature = "cuda")]

@@ -1,16 +1,26 @@
 //! Raw memory: the shared CPU region (the primary tier's bytes) and host buffers standing in
 //! for GPU memory. Every `unsafe` block that touches kvtier's memory is in this module.
 //!
-//! The region is one file under `/dev/shm` (by default) mapped `MAP_SHARED` by every worker
-//! process. It has one row per primary slot; a row holds one page-aligned sub-slot per worker
-//! (tensor-parallel rank), so each worker writes only its own part and a secondary tier reads
-//! or writes a whole row in one piece.
+//! The region is shared memory mapped `MAP_SHARED` by every worker process. It has one row
+//! per primary slot; a row holds one page-aligned sub-slot per worker (tensor-parallel rank),
+//! so each worker writes only its own part and a secondary tier reads or writes a whole row in
+//! one piece.
+//!
+//! A region is one of two kinds ([`RegionKind`]), chosen by its name:
+//!
+//! - **anonymous** (`@NAME`): memory with no name in any filesystem (`memfd_create`), which
+//!   attachers receive from the owner over a Unix socket in Linux's abstract namespace. The
+//!   kernel frees it once the last process holding it is gone: nothing is left behind however
+//!   the processes die. The `anon` submodule describes the rendezvous and its checks.
+//! - **file** (any other path, such as `/dev/shm/kvtier-x`): a file that attachers open by
+//!   its path. It outlives processes that die; the next owner in its directory sweeps it.
 //!
 //! Who may touch a row is decided by the core, never by this module: the driver only asks for
 //! rows of slots that a job owns (see the `SAFETY:` comments and the invariants they name).
 //!
-//! The process that creates a region owns it: it holds a lock on the region's owner record
-//! (`.NAME.kvtier-owner`, beside it) for the region's whole life and removes both when done.
+//! The process that creates a file region owns it: it holds a lock on the region's owner
+//! record (`.NAME.kvtier-owner`, beside it) for the region's whole life and removes both when
+//! done.
 //! An owner that dies leaves its files with the lock free, and the next owner in the directory
 //! sweeps them (the `owner` submodule describes the files and the rules). Attaching
 //! processes take no lock, and map only a regular file of their own user that nobody else
@@ -29,9 +39,40 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use crate::sync::{Mutex, lock};
 
+mod anon;
 mod owner;
 
 use owner::{Claim, FileId, Owner};
+
+/// The kind of memory a region's name designates (see [`RegionKind::of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegionKind {
+    /// A file at the path, opened by attachers through it (default under `/dev/shm`), with
+    /// an owner record beside it. If every process using it dies, it stays until the next
+    /// owner in its directory sweeps it ([`Region::sweep`]).
+    File,
+    /// Memory with no name in any filesystem, named `@NAME`: the owner hands it to attachers
+    /// of its own user over the abstract Unix socket `kvtier/UID/NAME`. The kernel frees it
+    /// once no process holds it, however they end; there is nothing to sweep.
+    Anonymous,
+}
+
+impl RegionKind {
+    /// The kind of region `path` names: a name that begins with `@` ([`ANONYMOUS_PREFIX`])
+    /// is anonymous, any other path a file (a file whose name begins with `@` is written
+    /// with its directory, as `./@x`).
+    pub fn of(path: &Path) -> Self {
+        if anon::name_of(path).is_some() {
+            RegionKind::Anonymous
+        } else {
+            RegionKind::File
+        }
+    }
+}
+
+/// The first character of an anonymous region's name (`@NAME`, as `ss` writes an abstract
+/// socket's).
+pub const ANONYMOUS_PREFIX: char = anon::PREFIX;
 
 /// The page size every sub-slot and row is aligned to.
 pub const PAGE: usize = 4096;
@@ -61,21 +102,24 @@ pub enum RegionError {
         /// The file.
         path: PathBuf,
     },
-    /// The filesystem holding the region lacks room for it.
+    /// The filesystem holding a file region lacks room for it, or the system lacks the
+    /// memory for an anonymous one.
     #[error(
-        "not enough room for the region {path}: it needs {needed} bytes and {available} are free (for /dev/shm, raise its size or lower cpu_bytes_to_use)"
+        "not enough room for the region {path}: it needs {needed} bytes and {available} are free (for /dev/shm, raise its size; for an anonymous region, free memory; or lower cpu_bytes_to_use)"
     )]
     NoSpace {
-        /// The region file.
+        /// The region's path or name.
         path: PathBuf,
         /// Bytes the region needs.
         needed: u64,
-        /// Bytes free on its filesystem.
+        /// Bytes free on its filesystem (file), or memory available (anonymous).
         available: u64,
     },
     /// The file at the region's path is not one this process may map: a symbolic link, not a
     /// regular file, another user's, or open to other users (who could have planted it or
-    /// could read the cache through it).
+    /// could read the cache through it). For an anonymous region: its name is held by, or
+    /// answered from, a process of another user or one that is not a kvtier region's owner,
+    /// or its memory's size is not sealed.
     #[error("refusing the region {path}: {reason}")]
     Untrusted {
         /// The region file.
@@ -90,10 +134,11 @@ pub enum RegionError {
         /// The region file.
         path: PathBuf,
     },
-    /// `attach` waited too long for the creator.
+    /// `attach` waited too long for the creator (for an anonymous region: for an owner to
+    /// listen and answer).
     #[error("no region appeared at {path} within {waited:?}")]
     AttachTimeout {
-        /// The region file.
+        /// The region's path or name.
         path: PathBuf,
         /// How long it waited.
         waited: Duration,
@@ -103,11 +148,11 @@ pub enum RegionError {
         "region {path} has {found} bytes, this process expects {expected} (a different layout)"
     )]
     SizeMismatch {
-        /// The region file.
+        /// The region's path or name.
         path: PathBuf,
         /// The size this process computed from its layout.
         expected: u64,
-        /// The file's size.
+        /// The region's size (the file's, or what an anonymous region's owner announced).
         found: u64,
     },
     /// The layout asks for nothing or for too much.
@@ -296,17 +341,27 @@ impl Mapping {
     }
 }
 
-/// The primary tier's memory: a shared mapping of a file, one row per slot.
+/// The primary tier's memory: a shared mapping, one row per slot.
 ///
-/// The creating process owns the file and removes it when the region is dropped; other
-/// processes [`attach`](Region::attach). If the owner dies without dropping it, the next
-/// [`create`](Region::create) or [`sweep`](Region::sweep) in the directory removes it.
+/// The creating process owns the region; other processes [`attach`](Region::attach). An
+/// anonymous region ([`RegionKind`]) is found only while its owner holds it and is freed by
+/// the kernel once no process maps it. A file region's owner removes its file when the region
+/// is dropped; if the owner dies without dropping it, the next [`create`](Region::create) or
+/// [`sweep`](Region::sweep) in the directory removes it.
 pub struct Region {
     mapping: Mapping,
     layout: Layout,
     path: PathBuf,
-    /// The locked owner record and the region file's identity, in the owning process.
-    owner: Option<(Owner, FileId)>,
+    /// What the owning process holds for the region (`None` in an attached process).
+    owner: Option<Ownership>,
+}
+
+/// What the process that created a region holds until it drops it.
+enum Ownership {
+    /// A file region's locked owner record and the region file's identity.
+    File(Owner, FileId),
+    /// An anonymous region's socket and the thread that hands the memory to attachers.
+    Anonymous(anon::Listener),
 }
 
 impl std::fmt::Debug for Region {
@@ -383,10 +438,10 @@ struct Creation<'a> {
 
 impl Creation<'_> {
     /// The creation succeeded: the owner record and the region's identity, for the region.
-    fn finish(mut self) -> Option<(Owner, FileId)> {
+    fn finish(mut self) -> Option<Ownership> {
         self.creating = None;
         let id = self.published.take()?;
-        Some((self.owner.take()?, id))
+        Some(Ownership::File(self.owner.take()?, id))
     }
 }
 
@@ -488,19 +543,69 @@ pub(crate) fn reserve(file: &File, len: u64) -> io::Result<()> {
 }
 
 impl Region {
-    /// Creates the region file at `path` (mode 0600), reserves its room, maps it and faults it
-    /// in on `prefault_threads` threads.
+    /// Creates the region `path` names (its kind: [`RegionKind::of`]), reserves all of its
+    /// memory, maps it and faults it in on `prefault_threads` threads. The new region is owned
+    /// by this process until it is dropped.
     ///
-    /// The file appears at `path` only once it has its full size, so a process attaching
-    /// never maps a short file.
+    /// **Anonymous** (`@NAME`): the memory is a sealed `memfd`, refused with
+    /// [`RegionError::NoSpace`] if the system has less memory available. The name is claimed
+    /// by listening on the abstract socket `kvtier/UID/NAME`: a name a live process of this
+    /// user holds is [`RegionError::Exists`] (naming its pid), one held by another user's
+    /// process is [`RegionError::Untrusted`]. Attachers are answered once the memory is
+    /// mapped and faulted in.
     ///
-    /// The new region is owned by this process: its owner record beside it
-    /// (`.NAME.kvtier-owner`) is locked until the region is dropped, when the region and the
-    /// record are removed. First, every region in the same directory whose owner died is
-    /// swept (see [`Region::sweep`]), and a dead owner's region at `path` itself is replaced.
-    /// A region at `path` whose owner is alive is [`RegionError::Exists`] (naming its pid);
-    /// any other file there is [`RegionError::Foreign`] and is left alone.
+    /// **File**: the region file is made at `path` (mode 0600). It appears at `path` only
+    /// once it has its full size, so a process attaching never maps a short file. Its owner
+    /// record beside it (`.NAME.kvtier-owner`) is locked until the region is dropped, when the
+    /// region and the record are removed. First, every region in the same directory whose
+    /// owner died is swept (see [`Region::sweep`]), and a dead owner's region at `path` itself
+    /// is replaced. A region at `path` whose owner is alive is [`RegionError::Exists`] (naming
+    /// its pid); any other file there is [`RegionError::Foreign`] and is left alone.
     pub fn create(
+        path: &Path,
+        layout: Layout,
+        prefault_threads: usize,
+    ) -> Result<Self, RegionError> {
+        match anon::name_of(path) {
+            Some(name) => Self::create_anonymous(path, name, layout, prefault_threads),
+            None => Self::create_file(path, layout, prefault_threads),
+        }
+    }
+
+    fn create_anonymous(
+        path: &Path,
+        name: &[u8],
+        layout: Layout,
+        prefault_threads: usize,
+    ) -> Result<Self, RegionError> {
+        let total = layout.total_bytes() as u64;
+        let addr = anon::address(path, name, anon::me())?;
+        // The name first: a live owner's region is refused before any memory is taken.
+        let mut listener = anon::Listener::bind(path, &addr)?;
+        // Refuse at once what cannot fit: a reservation that runs out of memory would first
+        // take every free page.
+        if let Some(available) = anon::available_memory()
+            && available < total
+        {
+            return Err(RegionError::NoSpace {
+                path: path.to_path_buf(),
+                needed: total,
+                available,
+            });
+        }
+        let memory = anon::memory(path, name, total)?;
+        let served = memory.try_clone().map_err(io_err("duplicate", path))?;
+        let mut region = Self::map(memory, path, layout)?;
+        region.mapping.prefault(prefault_threads);
+        listener
+            .serve(path, served, total)
+            .map_err(io_err("start the thread serving", path))?;
+        region.owner = Some(Ownership::Anonymous(listener));
+        tracing::info!(region = %path.display(), bytes = total, rows = layout.rows, "anonymous region created");
+        Ok(region)
+    }
+
+    fn create_file(
         path: &Path,
         layout: Layout,
         prefault_threads: usize,
@@ -616,12 +721,20 @@ impl Region {
         owner::sweep(dir)
     }
 
-    /// Attaches to a region another process created, waiting up to `timeout` for it to
-    /// appear; its size must match `layout`.
+    /// Attaches to a region another process created (its kind: [`RegionKind::of`]), waiting
+    /// up to `timeout` for it to appear ([`RegionError::AttachTimeout`]); its size must match
+    /// `layout` ([`RegionError::SizeMismatch`]).
     ///
-    /// The path must name a regular file (a symbolic link is not followed) owned by this
-    /// process's user with no group or other permission bits; anything else is refused with
-    /// [`RegionError::Untrusted`].
+    /// **Anonymous** (`@NAME`): the memory is received from the process listening as its
+    /// owner, which must be of this process's user and send memory whose size is sealed;
+    /// anything else is refused with [`RegionError::Untrusted`]. Once its owner dropped the
+    /// region or died, nothing answers and an attach times out; processes already attached
+    /// keep their mapping.
+    ///
+    /// **File**: the path must name a regular file (a symbolic link is not followed) owned by
+    /// this process's user with no group or other permission bits; anything else is refused
+    /// with [`RegionError::Untrusted`]. A file whose owner died is waited past, until a new
+    /// owner replaces it ([`RegionError::NoLiveOwner`] at the timeout).
     pub fn attach(
         path: &Path,
         layout: Layout,
@@ -629,7 +742,14 @@ impl Region {
         prefault_threads: usize,
     ) -> Result<Self, RegionError> {
         let start = Instant::now();
-        let file = Self::open_owned(path, start, timeout)?;
+        let file = match anon::name_of(path) {
+            Some(name) => {
+                let addr = anon::address(path, name, anon::me())?;
+                let expected = layout.total_bytes() as u64;
+                anon::receive(path, &addr, expected, start, timeout)?
+            }
+            None => Self::open_owned(path, start, timeout)?,
+        };
         let region = Self::map(file, path, layout)?;
         region.mapping.prefault(prefault_threads);
         Ok(region)
@@ -713,7 +833,7 @@ impl Region {
         self.layout
     }
 
-    /// The region file.
+    /// The region's path: its file, or `@NAME` for an anonymous region.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -942,14 +1062,20 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if let Some((owner, id)) = self.owner.take() {
-            // Only the file this process made: never one that replaced it by hand.
-            if let Err(e) = owner::remove_if_same(&self.path, id, false) {
-                tracing::warn!(path = %self.path.display(), error = %e, "region file not removed");
+        match self.owner.take() {
+            Some(Ownership::File(owner, id)) => {
+                // Only the file this process made: never one that replaced it by hand.
+                if let Err(e) = owner::remove_if_same(&self.path, id, false) {
+                    tracing::warn!(path = %self.path.display(), error = %e, "region file not removed");
+                }
+                if let Err(e) = owner.release() {
+                    tracing::warn!(error = %e, "owner record not removed");
+                }
             }
-            if let Err(e) = owner.release() {
-                tracing::warn!(error = %e, "owner record not removed");
-            }
+            // Nobody new can attach once the listener is stopped; the memory goes with the
+            // last mapping (this one is unmapped next).
+            Some(Ownership::Anonymous(listener)) => listener.stop(),
+            None => {}
         }
     }
 }
@@ -1253,10 +1379,23 @@ mod tests {
     /// What the child prints once it is where the test kills it.
     const READY: &str = "kvtier-region-child-ready";
 
+    /// The environment variable naming the user id a `squat` child claims a name for.
+    const CHILD_UID: &str = "KVTIER_REGION_TEST_UID";
+
+    /// The layout of the regions whose memory the tests measure: 256 MiB and a page of seals.
+    fn big() -> Layout {
+        Layout::new(64, 1, 4 << 20).unwrap()
+    }
+
     /// Not a test: the entry point of the child processes that the tests below start (this
     /// binary run again with [`CHILD_ROLE`] set) and kill with `SIGKILL`. Role `own` creates
     /// a region and waits; role `creating` stops inside `create`, once the temporary file has
-    /// its full size and before it is published, and waits.
+    /// its full size and before it is published, and waits. Role `attach` attaches, checks
+    /// that slot 0 holds 5s, writes 9s into slot 1 and waits. Roles `own-big` and
+    /// `attach-big` create and attach a region of [`big`] and wait. Role `squat` listens as
+    /// the owner of an anonymous region of the user [`CHILD_UID`] and serves a memory of
+    /// [`layout`]. Role `probe` connects to an anonymous region's owner without checking it
+    /// and prints whether it was handed anything.
     #[test]
     #[ignore = "the entry point of a child process, started by the tests that kill it"]
     fn child_process() {
@@ -1284,6 +1423,41 @@ mod tests {
                 let r = Region::create(&path, layout(), 1);
                 panic!("the hook did not stop the creation: {r:?}");
             }
+            "attach" => {
+                let region = attach(&path).unwrap();
+                let mut back = [0; 16];
+                region.read_sub(SlotId(0), 0, &mut back).unwrap();
+                assert_eq!(back, [5; 16]);
+                region.write_sub(SlotId(1), 0, &[9; 16]).unwrap();
+                ready_and_wait();
+            }
+            "own-big" => {
+                let _region = Region::create(&path, big(), 2).unwrap();
+                ready_and_wait();
+            }
+            "attach-big" => {
+                let region = Region::attach(&path, big(), Duration::from_secs(10), 1).unwrap();
+                region.write_sub(SlotId(63), 0, &[1; 16]).unwrap();
+                ready_and_wait();
+            }
+            "squat" => {
+                let uid = std::env::var(CHILD_UID).unwrap().parse().unwrap();
+                let name = anon::name_of(&path).unwrap();
+                let addr = anon::address(&path, name, uid).unwrap();
+                let mut listener = anon::Listener::bind(&path, &addr).unwrap();
+                let total = layout().total_bytes() as u64;
+                let memory = anon::memory(&path, name, total).unwrap();
+                listener.serve(&path, memory, total).unwrap();
+                ready_and_wait();
+            }
+            "probe" => {
+                let uid = std::env::var(CHILD_UID).unwrap().parse().unwrap();
+                let addr = anon::address(&path, anon::name_of(&path).unwrap(), uid).unwrap();
+                let handed = anon::handed_anything(&path, &addr);
+                use std::io::Write;
+                writeln!(io::stdout(), "handed: {handed}").unwrap();
+                ready_and_wait();
+            }
             other => panic!("unknown child role {other}"),
         }
     }
@@ -1295,22 +1469,34 @@ mod tests {
     impl Child {
         /// Starts a child in `role` on the region `path` and waits until it is ready.
         fn start(role: &str, path: &Path) -> Child {
+            Self::start_with(role, path, |_| {}).0
+        }
+
+        /// [`start`](Self::start), with `setup` applied to the command first; also the lines
+        /// the child printed before it was ready.
+        fn start_with(
+            role: &str,
+            path: &Path,
+            setup: impl FnOnce(&mut std::process::Command),
+        ) -> (Child, Vec<String>) {
             use std::io::BufRead;
-            let mut child = Child(
-                std::process::Command::new(std::env::current_exe().unwrap())
-                    .args(["--exact", "region::tests::child_process", "--ignored"])
-                    .args(["--nocapture", "--test-threads=1", "-q"])
-                    .env(CHILD_ROLE, role)
-                    .env(CHILD_PATH, path)
-                    .stdout(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap(),
-            );
+            let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+            command
+                .args(["--exact", "region::tests::child_process", "--ignored"])
+                .args(["--nocapture", "--test-threads=1", "-q"])
+                .env(CHILD_ROLE, role)
+                .env(CHILD_PATH, path)
+                .stdout(std::process::Stdio::piped());
+            setup(&mut command);
+            let mut child = Child(command.spawn().unwrap());
             let out = child.0.stdout.take().unwrap();
+            let mut before = Vec::new();
             for line in io::BufReader::new(out).lines() {
-                if line.unwrap().contains(READY) {
-                    return child;
+                let line = line.unwrap();
+                if line.contains(READY) {
+                    return (child, before);
                 }
+                before.push(line);
             }
             panic!("the child ({role}) ended before it was ready");
         }
@@ -1544,5 +1730,206 @@ mod tests {
             sorted(Region::sweep(dir.path()).unwrap()),
             vec![record, path]
         );
+    }
+
+    /// A name for an anonymous region that no other test (in this process or another) uses.
+    fn anonymous(tag: &str) -> PathBuf {
+        PathBuf::from(format!("@kvtier-test-{}-{tag}", std::process::id()))
+    }
+
+    /// No entry of `/dev/shm` bears the name of the anonymous region `path`.
+    fn assert_no_file_in_dev_shm(path: &Path) {
+        let name = path.to_str().unwrap().trim_start_matches(ANONYMOUS_PREFIX);
+        let files: Vec<String> = names(Path::new("/dev/shm"))
+            .into_iter()
+            .filter(|n| n.contains(name))
+            .collect();
+        assert_eq!(
+            files,
+            Vec::<String>::new(),
+            "an anonymous region has a file"
+        );
+    }
+
+    /// The name form decides the kind: `@NAME` is anonymous, any other path a file.
+    #[test]
+    fn the_name_decides_the_kind() {
+        assert_eq!(
+            RegionKind::of(Path::new("@kvtier-x")),
+            RegionKind::Anonymous
+        );
+        assert_eq!(
+            RegionKind::of(Path::new("/dev/shm/kvtier-x")),
+            RegionKind::File
+        );
+        assert_eq!(RegionKind::of(Path::new("./@kvtier-x")), RegionKind::File);
+        assert_eq!(RegionKind::of(Path::new("kvtier@x")), RegionKind::File);
+        let err = Region::create(Path::new("@"), layout(), 1).unwrap_err();
+        assert!(err.to_string().contains("non-empty"), "{err}");
+    }
+
+    /// An anonymous region is shared with another process: bytes written by the owner are
+    /// read by the attacher, and bytes the attacher wrote are read by the owner. It leaves
+    /// nothing in `/dev/shm`.
+    #[test]
+    fn an_anonymous_region_is_shared_with_another_process() {
+        let path = anonymous("shared");
+        let owner = Region::create(&path, layout(), 1).unwrap();
+        assert_eq!(owner.path(), path);
+        owner.write_sub(SlotId(0), 0, &[5; 16]).unwrap();
+        let child = Child::start("attach", &path);
+        let mut back = [0; 16];
+        owner.read_sub(SlotId(1), 0, &mut back).unwrap();
+        assert_eq!(back, [9; 16]);
+        assert_no_file_in_dev_shm(&path);
+        child.kill();
+    }
+
+    /// An attacher whose layout gives another size is refused with the sizes of both; one
+    /// whose owner never comes times out; both are typed errors.
+    #[test]
+    fn an_anonymous_attach_checks_the_size_and_times_out() {
+        let path = anonymous("size");
+        let _owner = Region::create(&path, layout(), 1).unwrap();
+        let other = Layout::new(5, 1, PAGE).unwrap();
+        let err = Region::attach(&path, other, Duration::from_secs(1), 1).unwrap_err();
+        assert!(
+            matches!(err, RegionError::SizeMismatch { expected, found, .. }
+                if expected == other.total_bytes() as u64 && found == layout().total_bytes() as u64),
+            "{err:?}"
+        );
+        let nobody = anonymous("nobody");
+        let start = Instant::now();
+        let err = Region::attach(&nobody, layout(), Duration::from_millis(50), 1).unwrap_err();
+        assert!(matches!(err, RegionError::AttachTimeout { .. }), "{err:?}");
+        assert!(start.elapsed() >= Duration::from_millis(50));
+    }
+
+    /// An anonymous name is held while its owner lives: a second `create` is `Exists`
+    /// naming the owner's pid (this process's, or a child's). Once the owner drops the
+    /// region, a new attach finds no owner while an attached process keeps its mapping, and
+    /// the name can be created again.
+    #[test]
+    fn an_anonymous_region_lives_with_its_owner_and_its_mappings() {
+        let path = anonymous("life");
+        let owner = Region::create(&path, layout(), 1).unwrap();
+        let err = Region::create(&path, layout(), 1).unwrap_err();
+        assert!(
+            matches!(err, RegionError::Exists { pid: Some(p), .. } if p == std::process::id()),
+            "{err:?}"
+        );
+        let attached = attach(&path).unwrap();
+        attached.write_sub(SlotId(2), 0, &[3; 16]).unwrap();
+        drop(owner);
+        let err = attach(&path).unwrap_err();
+        assert!(matches!(err, RegionError::AttachTimeout { .. }), "{err:?}");
+        let mut back = [0; 16];
+        attached.read_sub(SlotId(2), 0, &mut back).unwrap();
+        assert_eq!(back, [3; 16]);
+        attached.write_sub(SlotId(3), 0, &[4; 16]).unwrap();
+        drop(Region::create(&path, layout(), 1).unwrap());
+
+        let child = Child::start("own", &path);
+        let err = Region::create(&path, layout(), 1).unwrap_err();
+        assert!(
+            matches!(err, RegionError::Exists { pid: Some(p), .. } if p == child.pid()),
+            "{err:?}"
+        );
+        child.kill();
+        drop(Region::create(&path, layout(), 1).unwrap());
+    }
+
+    /// `Shmem` of `/proc/meminfo`, in bytes: the memory of shared-memory files, `memfd`s
+    /// included.
+    fn shmem() -> u64 {
+        crate::bench::proc_field("/proc/meminfo", "Shmem").unwrap() * 1024
+    }
+
+    /// Starts an owner and an attacher of a [`big`] region at `path` and kills both with
+    /// `SIGKILL`: the `Shmem` bytes while they lived above the bytes once both are gone
+    /// (waiting up to `patience` for most of the region to go).
+    fn killed_owner_and_attacher_free(path: &Path, patience: Duration) -> i64 {
+        let owner = Child::start("own-big", path);
+        let attacher = Child::start("attach-big", path);
+        let during = shmem() as i64;
+        owner.kill();
+        attacher.kill();
+        let start = Instant::now();
+        let region = big().total_bytes() as i64;
+        loop {
+            let freed = during - shmem() as i64;
+            if freed >= region * 3 / 4 || start.elapsed() > patience {
+                return freed;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The requirement: once every process of an anonymous region is killed (`SIGKILL`),
+    /// its memory is gone: `Shmem` fell by about the region's 256 MiB, and no file is left
+    /// in `/dev/shm`. Beside it, a file region in `/dev/shm` killed the same way stays
+    /// allocated until a sweep: the measure tells the two apart.
+    #[test]
+    fn killing_every_process_of_an_anonymous_region_frees_its_memory() {
+        let region = big().total_bytes() as i64;
+        let path = anonymous("killed");
+        let freed = killed_owner_and_attacher_free(&path, Duration::from_secs(5));
+        assert!(
+            freed >= region * 3 / 4,
+            "Shmem fell by {freed} bytes, not by about the region's {region}"
+        );
+        assert_no_file_in_dev_shm(&path);
+        let err = attach(&path).unwrap_err();
+        assert!(matches!(err, RegionError::AttachTimeout { .. }), "{err:?}");
+
+        let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let file = dir.path().join("killed");
+        let freed = killed_owner_and_attacher_free(&file, Duration::from_millis(500));
+        assert!(
+            freed < region / 4,
+            "Shmem fell by {freed} bytes: a file region should stay allocated"
+        );
+        let before = shmem() as i64;
+        assert_eq!(Region::sweep(dir.path()).unwrap().len(), 2);
+        assert!(before - shmem() as i64 >= region * 3 / 4);
+    }
+
+    /// Across users (the test needs root to start a process of another uid): a process of
+    /// another user listening as an anonymous region's owner is refused by attachers and
+    /// holds the name against `create`; an owner hands nothing to a process of another user
+    /// that asks.
+    #[test]
+    fn an_anonymous_region_is_kept_from_other_users() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        use std::os::unix::process::CommandExt;
+        let me = anon::me().to_string();
+        let path = anonymous("squatted");
+        let (squatter, _) = Child::start_with("squat", &path, |c| {
+            c.uid(65534).gid(65534).env(CHILD_UID, &me);
+        });
+        let reason = untrusted_reason(attach(&path));
+        assert!(reason.contains("uid 65534"), "{reason}");
+        assert!(reason.contains(&squatter.pid().to_string()), "{reason}");
+        let reason = untrusted_reason(Region::create(&path, layout(), 1));
+        assert!(reason.contains("uid 65534"), "{reason}");
+        squatter.kill();
+
+        let path = anonymous("probed");
+        let _owner = Region::create(&path, layout(), 1).unwrap();
+        let (probe, printed) = Child::start_with("probe", &path, |c| {
+            c.uid(65534).gid(65534).env(CHILD_UID, &me);
+        });
+        assert!(printed.iter().any(|l| l == "handed: false"), "{printed:?}");
+        probe.kill();
+        // The same probe of this user is handed the memory: the refusal above is the check.
+        let (probe, printed) = Child::start_with("probe", &path, |c| {
+            c.env(CHILD_UID, &me);
+        });
+        assert!(printed.iter().any(|l| l == "handed: true"), "{printed:?}");
+        probe.kill();
     }
 }

@@ -20,13 +20,19 @@ const SIGTERM: i32 = 15;
 
 /// A bench command whose region and temporary tiers live in `dir` (`shm`, `tmp`).
 fn kvtier(dir: &Path, args: &[&str]) -> Command {
-    let (shm, tmp) = (dir.join("shm"), dir.join("tmp"));
+    let shm = dir.join("shm");
     std::fs::create_dir_all(&shm).unwrap();
+    let mut c = kvtier_anonymous(dir, &[]);
+    c.arg("--region-dir").arg(&shm).args(args);
+    c
+}
+
+/// A bench command with an anonymous region (the default) and temporary tiers in `dir/tmp`.
+fn kvtier_anonymous(dir: &Path, args: &[&str]) -> Command {
+    let tmp = dir.join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
     let mut c = Command::new(env!("CARGO_BIN_EXE_kvtier"));
     c.arg("bench")
-        .arg("--region-dir")
-        .arg(&shm)
         .args(args)
         .env("TMPDIR", &tmp)
         .env("RUST_LOG", "info")
@@ -182,6 +188,56 @@ fn a_kill_at_any_point_is_swept_by_the_next_run() {
         assert!(next.status.success(), "after a kill at {delay:?}: {stderr}");
         assert_clean(dir.path(), &format!("the run after a kill at {delay:?}"));
     }
+}
+
+/// `Shmem` of `/proc/meminfo` in bytes (shared memory, anonymous regions included).
+fn shmem() -> i64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let line = info.lines().find(|l| l.starts_with("Shmem:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<i64>()
+        .unwrap()
+        * 1024
+}
+
+/// By default the region is anonymous: a run killed with `kill -9` leaves no region file and
+/// its memory is freed (`Shmem` falls by about the region's 256 MiB).
+#[test]
+fn a_killed_run_leaves_no_anonymous_region() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = LONG.to_vec();
+    args[1] = "256MiB";
+    let mut child = kvtier_anonymous(dir.path(), &args).spawn().unwrap();
+    let label = format!("memfd:kvtier:kvtier-bench-{}", child.id());
+    let maps = format!("/proc/{}/maps", child.id());
+    let start = Instant::now();
+    // Running: the region mapped and the temporary tier made after it.
+    while entries(&dir.path().join("tmp")).is_empty()
+        || !std::fs::read_to_string(&maps).is_ok_and(|m| m.contains(&label))
+    {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(start.elapsed() < Duration::from_secs(60), "never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let during = shmem();
+    signal(&child, 9);
+    let out = finish(child);
+    assert_eq!(out.status.signal(), Some(9), "killed by the signal");
+    let freed = during - shmem();
+    assert!(
+        freed >= 192 << 20,
+        "Shmem fell by {freed} bytes, not by about the region's 256 MiB"
+    );
+    let name = label.trim_start_matches("memfd:kvtier:");
+    assert!(
+        !entries(Path::new("/dev/shm"))
+            .iter()
+            .any(|n| n.contains(name)),
+        "a region file was left"
+    );
 }
 
 #[test]

@@ -466,8 +466,9 @@ fn req_id<'py>(ctx: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
 
 #[pymethods]
 impl Manager {
-    /// Creates the shared region at `region_path` (owned by this manager) and opens the
-    /// secondary tiers (blocks found on disk are restored).
+    /// Creates the shared region `region_path` names (owned by this manager: `@NAME` for an
+    /// anonymous region, any other path for a file) and opens the secondary tiers (blocks
+    /// found on disk are restored).
     #[new]
     #[pyo3(signature = (*, num_blocks, policy, region_path, block_bytes_per_worker, workers,
         answers, output_class, spec_class, request_class, chunk_level, tiers = Vec::new(), events = true, store_threshold = 0,
@@ -599,7 +600,8 @@ impl Manager {
         })
     }
 
-    /// The shared region's file, which the workers attach to.
+    /// The shared region's path (`@NAME` for an anonymous region), which the workers attach
+    /// to.
     #[getter]
     fn region_path(&self) -> PathBuf {
         self.region_path.clone()

@@ -1,12 +1,15 @@
-"""A scheduler process and two rank processes on one shared region, and ranks that die.
+"""A scheduler process and two rank processes on one shared region, and processes that die.
 
 The test process is the scheduler: it owns the manager (and so the region) and hands each
 rank the transfers vLLM's connector would. Each rank process (``rank_process.py``) attaches to
-the region and copies its own KV tensors to and from its own part of each slot.
+the region and copies its own KV tensors to and from its own part of each slot. The tests run
+on a file region and on an anonymous one; the last ones kill a scheduler of its own process
+(``scheduler_process.py``) with its ranks, and check that nothing is left.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -23,6 +26,27 @@ from vllm.v1.kv_offload import base
 
 PAGE = 4096
 RANK = str(Path(__file__).with_name("rank_process.py"))
+SCHEDULER = str(Path(__file__).with_name("scheduler_process.py"))
+_names = itertools.count()
+
+
+def anonymous_name():
+    """An anonymous region's name that no other test (of any process) uses."""
+    return f"@kvtier-test-{os.getpid()}-{next(_names)}"
+
+
+def shmem():
+    """``Shmem`` of ``/proc/meminfo`` in bytes: shared memory, anonymous regions included."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+def kvtier_files_in_dev_shm(name):
+    """Entries of ``/dev/shm`` whose name holds ``name``."""
+    return [n for n in os.listdir("/dev/shm") if name in n]
 
 
 class Rank:
@@ -56,11 +80,16 @@ class Rank:
             self.proc.wait(timeout=30)
 
 
+@pytest.fixture(params=["file", "anonymous"])
+def region_path(request, region_dir):
+    """A region's path: a file in ``region_dir``, or a name of an anonymous region."""
+    return str(region_dir / "region") if request.param == "file" else anonymous_name()
+
+
 @pytest.fixture
-def cluster(region_dir):
+def cluster(region_path):
     settings = kv.Settings(
-        num_blocks=8, region_path=str(region_dir / "region"), workers=2,
-        block_bytes_per_worker=PAGE,
+        num_blocks=8, region_path=region_path, workers=2, block_bytes_per_worker=PAGE,
     )
     manager = kv.KvtierOffloadingManager(settings, prefault_threads=1)
     ranks = [Rank(settings.region_path, 8, 2, r) for r in range(2)]
@@ -178,3 +207,71 @@ def test_the_region_is_removed_when_the_scheduler_shuts_down(region_dir):
     manager.shutdown()  # a second shutdown is a no-op
     with pytest.raises(kvtier.KvtierError, match="shut down"):
         manager.lookup(b"k", base.ReqContext(req_id="x"))
+
+
+def test_a_manager_made_from_vllms_config_leaves_nothing_in_dev_shm(vllm):
+    from test_spec import offloading_config
+
+    engine = f"anon-{os.getpid()}"
+    extra = {"cpu_bytes_to_use": 64 * PAGE}  # no region_dir: the default
+    config = offloading_config(vllm, extra, worker_bytes=PAGE, engine_id=engine)
+    spec = kv.KvtierOffloadingSpec(config)
+    assert spec.settings.region_path == f"@kvtier-{engine}"
+    manager = spec.get_manager()
+    try:
+        assert manager.region_path == f"@kvtier-{engine}"
+        assert kvtier_files_in_dev_shm(engine) == []
+        # A rank finds it by the same name.
+        rank = Rank(manager.region_path, 64, 1, 0)
+        ctx = base.ReqContext(req_id="a")
+        manager.on_new_request(ctx)
+        out = manager.prepare_store([b"k"], ctx)
+        assert transfer([rank], "store", 1, [0], slots_of(out.store_spec), out.store_spec.generation)
+        manager.complete_store([b"k"], ctx)
+        assert manager.stats()["unsealed"] == 0
+        rank.close()
+    finally:
+        manager.shutdown()
+    assert kvtier_files_in_dev_shm(engine) == []
+
+
+class Scheduler:
+    """``scheduler_process.py``: a manager, and so the region, in a process of its own."""
+
+    def __init__(self, region, rows, workers):
+        self.proc = subprocess.Popen(
+            [sys.executable, SCHEDULER, region, str(rows), str(workers)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert line, f"the scheduler exited with {self.proc.wait()}"
+        assert json.loads(line) == {"ready": self.proc.pid}
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def test_sigkill_of_the_scheduler_and_its_ranks_leaves_nothing_behind():
+    region = anonymous_name()
+    size = 256 << 20
+    rows = size // (2 * PAGE)
+    scheduler = Scheduler(region, rows, 2)
+    ranks = [Rank(region, rows, 2, r) for r in range(2)]
+    try:
+        # Each rank attaches at its first transfer: a store into slots at both ends.
+        slots = [0, 1, rows - 2, rows - 1]
+        assert transfer(ranks, "store", 1, [0, 1, 2, 3], slots, seal=1)
+        during = shmem()
+    finally:
+        scheduler.kill()
+        for r in ranks:
+            r.kill()
+    deadline = time.monotonic() + 5
+    while during - shmem() < size * 3 // 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    freed = during - shmem()
+    assert freed >= size * 3 // 4, f"Shmem fell by {freed} bytes, not by the region's {size}"
+    assert kvtier_files_in_dev_shm(region[1:]) == []

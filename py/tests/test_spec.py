@@ -13,7 +13,7 @@ import kvtier.vllm as kv
 
 def offloading_config(
     vllm, extra, *, worker_bytes=8192, world=1, rank=0, bpc=1, events=True,
-    model="test/model", tp=None, pp=1,
+    model="test/model", tp=None, pp=1, engine_id="engine-0",
 ):
     """An ``OffloadingConfig`` as vLLM's connector builds it for one KV cache group."""
     from vllm.v1.kv_offload import config as c
@@ -23,7 +23,7 @@ def offloading_config(
         worker_kv_bytes_per_block=worker_bytes,
         enable_kv_cache_events=events,
         extra_config=extra,
-        engine_id="engine-0",
+        engine_id=engine_id,
         model=c.OffloadingModelConfig(name=model, dtype="bfloat16", max_model_len=4096),
         cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
         parallel=c.OffloadingParallelConfig(

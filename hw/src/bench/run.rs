@@ -264,14 +264,15 @@ pub fn run(
         });
     }
     let region_bytes = u64::from(rows) * row as u64;
-    if super::in_memory(&settings.region_dir) && region_bytes.saturating_add(needed) > 2 * budget {
-        // A region in tmpfs is memory: with the rest it must fit in what is available.
+    if settings.region_in_memory() && region_bytes.saturating_add(needed) > 2 * budget {
+        // A region in tmpfs, or anonymous, is memory: with the rest it must fit in what is
+        // available.
         return Err(BenchError::Config {
             path: "-".into(),
             reason: format!(
                 "cpu_bytes_to_use: a region of {} in {} (memory) with {} for requests and device needs more than the {} this machine has available",
                 super::approx_bytes(region_bytes),
-                settings.region_dir.display(),
+                settings.region_place(),
                 super::approx_bytes(needed),
                 super::approx_bytes(2 * budget)
             ),
@@ -280,18 +281,19 @@ pub fn run(
     for path in sweep_temporary_tiers(&std::env::temp_dir()) {
         tracing::warn!(path = %path.display(), "removed the temporary tier of a run that died");
     }
-    match Region::sweep(&settings.region_dir) {
-        Ok(removed) => {
-            for path in removed {
-                tracing::warn!(path = %path.display(), "removed what a run that died left of its region");
+    // An anonymous region leaves nothing to sweep.
+    if let Some(dir) = &settings.region_dir {
+        match Region::sweep(dir) {
+            Ok(removed) => {
+                for path in removed {
+                    tracing::warn!(path = %path.display(), "removed what a run that died left of its region");
+                }
             }
+            // Creating the region sweeps again and reports what stops it.
+            Err(e) => tracing::warn!(error = %e, "regions of dead runs not swept"),
         }
-        // Creating the region sweeps again and reports what stops it.
-        Err(e) => tracing::warn!(error = %e, "regions of dead runs not swept"),
     }
-    let region_path = settings
-        .region_dir
-        .join(format!("kvtier-bench-{}", std::process::id()));
+    let region_path = settings.region_path(std::process::id());
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let region = Arc::new(Region::create(
         &region_path,

@@ -78,8 +78,9 @@ pub struct BenchSettings {
     pub block_bytes: usize,
     /// The primary's eviction policy (each tier has its own).
     pub policy: PolicyKind,
-    /// Directory of the shared region (default `/dev/shm`).
-    pub region_dir: PathBuf,
+    /// Directory of the shared region's file; `None` (the default) for an anonymous region,
+    /// which nothing outlives (see [`RegionKind`](crate::RegionKind)).
+    pub region_dir: Option<PathBuf>,
     /// Secondary tiers, in cascade order.
     pub tiers: Vec<TierSettings>,
     /// Requests in flight at a time (a scheduler's batch).
@@ -98,7 +99,7 @@ impl Default for BenchSettings {
             cpu_bytes: 1 << 30,
             block_bytes: 256 << 10,
             policy: PolicyKind::Lru,
-            region_dir: PathBuf::from("/dev/shm"),
+            region_dir: None,
             tiers: vec![TierSettings::new(None, 4 << 30)],
             batch: 4,
             copy_threads: 2,
@@ -370,7 +371,7 @@ impl FileSettings {
             s.policy = policy_named("eviction_policy", p).map_err(bad)?;
         }
         if let Some(d) = &self.region_dir {
-            s.region_dir = d.clone();
+            s.region_dir = Some(d.clone());
         }
         if let Some(b) = self.batch {
             s.batch = b;
@@ -430,13 +431,40 @@ impl BenchSettings {
                 return bad(format!("secondary_tiers[{i}].capacity_bytes (--tier): {e}"));
             }
         }
-        if !self.region_dir.is_dir() {
+        if let Some(dir) = &self.region_dir
+            && !dir.is_dir()
+        {
             return bad(format!(
                 "region_dir (--region-dir): {} is not a directory",
-                self.region_dir.display()
+                dir.display()
             ));
         }
         Ok(())
+    }
+}
+
+impl BenchSettings {
+    /// Whether the region is memory: anonymous, or a file in tmpfs (such as `/dev/shm`).
+    pub(crate) fn region_in_memory(&self) -> bool {
+        self.region_dir.as_deref().is_none_or(super::in_memory)
+    }
+
+    /// Where the region is, for messages: its directory, or "anonymous memory".
+    pub(crate) fn region_place(&self) -> String {
+        self.region_dir.as_deref().map_or_else(
+            || "anonymous memory".to_string(),
+            |d| d.display().to_string(),
+        )
+    }
+
+    /// The region of the process `pid`: `@kvtier-bench-PID`, or `DIR/kvtier-bench-PID` in
+    /// `region_dir`.
+    pub(crate) fn region_path(&self, pid: u32) -> PathBuf {
+        let name = format!("kvtier-bench-{pid}");
+        match &self.region_dir {
+            Some(dir) => dir.join(name),
+            None => PathBuf::from(format!("{}{name}", crate::ANONYMOUS_PREFIX)),
+        }
     }
 }
 
@@ -464,11 +492,11 @@ impl BenchSettings {
             ));
         }
         let region = u64::from(nodes).saturating_mul(self.cpu_bytes);
-        if nodes > 1 && super::in_memory(&self.region_dir) && region > 2 * super::memory_budget() {
+        if nodes > 1 && self.region_in_memory() && region > 2 * super::memory_budget() {
             return bad(format!(
                 "cpu_bytes_to_use (--cpu-bytes): {nodes} nodes' regions of {} each in {} (memory) need more than the {} this machine has available",
                 super::approx_bytes(self.cpu_bytes),
-                self.region_dir.display(),
+                self.region_place(),
                 super::approx_bytes(2 * super::memory_budget())
             ));
         }

@@ -48,7 +48,9 @@ struct BenchArgs {
     /// Bytes of the primary region, with units (`2GiB`); overrides the configuration.
     #[arg(long, value_parser = bench::parse_bytes)]
     cpu_bytes: Option<u64>,
-    /// Directory of the primary region's shared-memory file (default `/dev/shm`).
+    /// Directory of the primary region's shared-memory file (`/dev/shm`, for example).
+    /// Without it the region is anonymous memory, which nothing outlives, not even a run
+    /// that was killed.
     #[arg(long)]
     region_dir: Option<PathBuf>,
     /// A secondary file tier, `PATH:BYTES` (`/mnt/nvme/kv:64GiB`; an empty PATH is a
@@ -203,7 +205,7 @@ fn settings(args: &BenchArgs) -> Result<BenchSettings, BenchError> {
         settings.cpu_bytes = b;
     }
     if let Some(d) = &args.region_dir {
-        settings.region_dir = d.clone();
+        settings.region_dir = Some(d.clone());
     }
     if !args.tiers.is_empty() {
         settings.tiers = args.tiers.clone();

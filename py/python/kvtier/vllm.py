@@ -220,8 +220,14 @@ class Settings:
     (a list of ``{"type": "file", "path", "capacity_bytes", "eviction_policy"?, "fsync"?}`` or
     ``{"type": "redis", "urls", "capacity_bytes", "cluster"?, "namespace"?, "timeout_ms"?,
     "ttl_s"?, "username_env"?, "password_env"?, "tls"?, "tls_ca_file"?, "eviction_policy"?}``),
-    ``region_dir`` (``/dev/shm``), ``io_threads`` (4), ``shutdown_timeout_s`` (30),
-    ``attach_timeout_s`` (60).
+    ``region_dir`` (none: an anonymous region), ``io_threads`` (4), ``shutdown_timeout_s``
+    (30), ``attach_timeout_s`` (60).
+
+    ``region_path`` names the shared region: ``@NAME`` for an anonymous one (memory with no
+    file, which the ranks receive from the scheduler process and the kernel frees once every
+    process holding it is gone, however they end), any other path for a file region.
+    ``from_vllm`` makes ``@kvtier-ENGINE_ID``, or ``REGION_DIR/kvtier-ENGINE_ID`` where
+    ``region_dir`` is set.
     """
 
     num_blocks: int
@@ -300,8 +306,15 @@ class Settings:
         for i, t in enumerate(tiers):
             if not isinstance(t, Mapping):
                 raise ConfigError(f"kv_connector_extra_config.secondary_tiers[{i}]: not a table")
-        region_dir = str(extra.get("region_dir", "/dev/shm"))
+        region_dir = extra.get("region_dir")
         engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(_opt(config, "engine_id", ""))) or "engine"
+        # Without a directory the region is anonymous: nothing of it outlives the engine's
+        # processes. Every rank derives the same name from the engine's id.
+        region_path = (
+            f"@kvtier-{engine}"
+            if region_dir is None
+            else os.path.join(str(region_dir), f"kvtier-{engine}")
+        )
         model = _need(config, "model")
         # What a file tier's blocks are: a tier written under any other model, dtype, layout,
         # parallelism or cache geometry is refused at open, never read. Fields one vLLM
@@ -344,7 +357,7 @@ class Settings:
             pipeline_stages=int(_opt(par, "pp_size", 1) or 1),
             block_bytes_per_worker=per_worker,
             blocks_per_chunk=bpc,
-            region_path=os.path.join(region_dir, f"kvtier-{engine}"),
+            region_path=region_path,
             tiers=tuple(dict(t) for t in tiers),
             events=bool(_opt(config, "enable_kv_cache_events", False)),
             store_threshold=_int_setting(extra, "store_threshold", 0, 0),
@@ -426,7 +439,8 @@ class KvtierOffloadingManager(_base.OffloadingManager):
 
     @property
     def region_path(self) -> str:
-        """The shared region's file, created by this manager; the workers attach to it."""
+        """The shared region's path (``@NAME`` for an anonymous region), created by this
+        manager; the workers attach to it."""
         return str(self._native.region_path)
 
     # The methods below that __init__ binds to the core directly are here for the ABC and
