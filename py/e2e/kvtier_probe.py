@@ -8,6 +8,7 @@ lines under ``$KVTIER_PROBE_DIR``:
   engine's KV cache when the store was submitted, and for every block a rank loads, the
   digest of what the load left there, each under the block's key and its GPU block's index
   within the key's chunk (``{"op", "key", "index", "rank", "digest"}``);
+- ``settings-PID.json``: the scheduler's kvtier settings (slots, bytes per block, policy);
 - ``stats-PID.json``: the scheduler's ``stats()`` (hits, promotions, tiers), rewritten at
   every scheduler step and at shutdown.
 
@@ -18,6 +19,7 @@ workers with vLLM's metadata, so the ranks know which key each GPU block holds.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -43,6 +45,9 @@ def _write(name: str, line: dict[str, Any]) -> None:
 class ProbeManager(KvtierOffloadingManager):
     def __init__(self, settings: Any):
         super().__init__(settings)
+        if DIR is not None:
+            with open(os.path.join(DIR, f"settings-{os.getpid()}.json"), "w") as f:
+                json.dump(dataclasses.asdict(settings), f, default=str)
         native_store, native_load = self.prepare_store, self.prepare_load
         native_end = self.on_schedule_end
 

@@ -6,7 +6,7 @@ The scenario (JSON): ``model`` (a directory), ``offload`` (``kv_connector_extra_
 kvtier, or null for no offloading), ``block_size`` (vLLM's, a multiple of 32 on CPU),
 ``num_gpu_blocks`` (the device KV cache, small so that earlier prompts do not stay there),
 ``tp`` (tensor parallel size), ``kv_events`` (KV cache events on), ``max_tokens``,
-``logprobs``, and ``rounds``: a list of ``{"prompts": [[token ids], ...], "reset": bool}``;
+``logprobs``, ``kill`` (after writing the output, wait to be killed), and ``rounds``: a list of ``{"prompts": [[token ids], ...], "reset": bool}``;
 a round with ``reset`` first calls ``reset_prefix_cache(reset_connector=True)``. Each round
 sends its prompts one at a time, so that each request finds the state the one before left.
 
@@ -89,7 +89,16 @@ def main(scenario_path: str, out_path: str) -> None:
             if value is None:
                 value = getattr(m, "count", None)
             metrics.setdefault(m.name, []).append({"labels": dict(m.labels), "value": value})
-    json.dump({"rounds": rounds, "metrics": metrics}, open(out_path, "w"))
+    with open(out_path + ".tmp", "w") as f:
+        json.dump({"rounds": rounds, "metrics": metrics}, f)
+    os.replace(out_path + ".tmp", out_path)
+    if sc.get("kill"):
+        # The caller kills every process of the engine with SIGKILL once the answers are
+        # written: nothing here may clean up.
+        while True:
+            time.sleep(60)
+    # A user's orderly end: the engine core shuts its connector (kvtier) down.
+    llm.llm_engine.engine_core.shutdown()
     del llm
 
 
