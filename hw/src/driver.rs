@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_core::{
-    Config, Effect, Event, Job, JobKind, JobResult, Key, Lookup, Manager, Metrics, Outcome,
+    Config, Effect, Event, Health, Job, JobKind, JobResult, Key, Lookup, Manager, Metrics, Outcome,
     PreparedStore, RequestId, SlotId, TierId, TierKind,
 };
 
@@ -20,7 +20,7 @@ use crate::engine::{
     TransferId, WorkerEngine,
 };
 use crate::io::{JobPath, TierDone, TierIo};
-use crate::metrics::{IoMetrics, Path};
+use crate::metrics::{IoMetrics, Path, TierMetrics, TierTally};
 use crate::queue::Queue;
 use crate::region::Region;
 use crate::store::SecondaryStore;
@@ -91,6 +91,8 @@ pub struct Driver {
     applied: u64,
     options: DriverOptions,
     metrics: IoMetrics,
+    /// Per tier, what ended since the last [`take_tier_metrics`](Self::take_tier_metrics).
+    tallies: Vec<TierTally>,
     closed: bool,
 }
 
@@ -183,6 +185,7 @@ impl Driver {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let probes = (0..tiers.len()).map(|_| Vec::new()).collect();
+        let tallies = (0..tiers.len()).map(|_| TierTally::default()).collect();
         Ok(Driver {
             manager,
             region,
@@ -199,6 +202,7 @@ impl Driver {
             applied: 0,
             options,
             metrics: IoMetrics::default(),
+            tallies,
             closed: false,
         })
     }
@@ -231,6 +235,23 @@ impl Driver {
     /// IO counters and latencies so far.
     pub fn metrics(&self) -> &IoMetrics {
         &self.metrics
+    }
+
+    /// Per secondary tier, its gauges now and its counters since the previous call, with the
+    /// latencies of the promotion jobs that ended meanwhile (an engine's metrics, taken once
+    /// a step: vLLM's `get_stats`).
+    pub fn take_tier_metrics(&mut self) -> Vec<TierMetrics> {
+        let stats = self.manager.stats();
+        let config = self.manager.config();
+        stats
+            .tiers
+            .iter()
+            .zip(&mut self.tallies)
+            .zip(&config.tiers)
+            .map(|(((health, now), tally), tc)| {
+                tally.take(now, *health == Health::Up, u64::from(tc.capacity_blocks))
+            })
+            .collect()
     }
 
     /// Tier jobs and transfers in flight.
@@ -570,6 +591,9 @@ impl Driver {
         };
         self.metrics
             .record(path, ok, blocks, d.bytes, d.elapsed, d.service);
+        if let Some(t) = self.tallies.get_mut(d.tier.index()) {
+            t.record(path, ok, d.bytes, d.corrupt, d.elapsed);
+        }
         if let Some(e) = &d.error {
             tracing::debug!(tier = %d.tier, job = %d.result.job, error = %e, "tier job failed");
         }

@@ -41,6 +41,8 @@ pub struct TierDone {
     pub service: Duration,
     /// The first store error, if any (for logs and counts).
     pub error: Option<String>,
+    /// Blocks whose read failed verification ([`StoreError::Corrupt`]): never served.
+    pub corrupt: u64,
 }
 
 /// What an IO thread takes from a tier's queue.
@@ -222,6 +224,7 @@ fn probe_ended(answer: Result<bool, StoreError>) -> Ended {
         outcome,
         bytes: 0,
         error,
+        corrupt: 0,
     }
 }
 
@@ -260,6 +263,7 @@ fn run_guarded(
                     elapsed: started.elapsed(),
                     service: begun.elapsed(),
                     error: Some(format!("panicked: {message}")),
+                    corrupt: 0,
                 })
                 .collect()
         }
@@ -372,6 +376,8 @@ struct Ended {
     outcome: Outcome,
     bytes: u64,
     error: Option<StoreError>,
+    /// Blocks that failed verification.
+    corrupt: u64,
 }
 
 impl Ended {
@@ -397,6 +403,7 @@ impl Ended {
             elapsed: started.elapsed(),
             service: begun.elapsed(),
             error: self.error.map(|e| e.to_string()),
+            corrupt: self.corrupt,
         }
     }
 }
@@ -409,6 +416,7 @@ fn run_job(
     results: Vec<Result<(), StoreError>>,
 ) -> Ended {
     let mut error = None;
+    let mut corrupt = 0;
     let (outcome, bytes) = match &job.kind {
         JobKind::Store { blocks, .. } | JobKind::Load { blocks, .. } => {
             // J6: a block a shared store no longer holds (its memory policy evicted it, it
@@ -422,6 +430,7 @@ fn run_job(
                     Ok(()) => ok.push(b.key.clone()),
                     Err(StoreError::NotFound { .. }) if loads_shared => missing.push(b.key.clone()),
                     Err(e) => {
+                        corrupt += u64::from(matches!(e, StoreError::Corrupt { .. }));
                         error.get_or_insert(e);
                     }
                 }
@@ -454,5 +463,6 @@ fn run_job(
         outcome,
         bytes,
         error,
+        corrupt,
     }
 }

@@ -46,7 +46,9 @@ pub use file::{
     LOCK_FILE, MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
 };
 pub use io::{JobPath, TierDone};
-pub use metrics::{IoMetrics, Path, PathMetrics, PathSummary};
+pub use metrics::{
+    IoMetrics, PROMOTION_LATENCIES_KEPT, Path, PathMetrics, PathSummary, TierMetrics,
+};
 pub use queue::{Countdown, Queue};
 pub use redis_store::{RedisOptions, RedisStore};
 pub use region::{

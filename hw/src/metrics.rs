@@ -148,3 +148,122 @@ impl IoMetrics {
             .collect()
     }
 }
+
+/// Promotion latencies one tier keeps between two [`Driver::take_tier_metrics`] calls; the
+/// ones past it are not kept (the counters still count their promotions). An engine takes
+/// them once a step, and a step ends far fewer promotion jobs than this.
+///
+/// [`Driver::take_tier_metrics`]: crate::Driver::take_tier_metrics
+pub const PROMOTION_LATENCIES_KEPT: usize = 4096;
+
+/// One secondary tier's figures for an engine's metrics (vLLM's `get_stats`): gauges as they
+/// are now, counters as increments since the previous take.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TierMetrics {
+    /// Gauge: blocks the tier can hold.
+    pub capacity_blocks: u64,
+    /// Gauge: blocks held or being written.
+    pub blocks: u64,
+    /// Gauge: whether the tier is Up (lookups and cascades use it).
+    pub up: bool,
+    /// Cascade jobs submitted.
+    pub cascade_jobs: u64,
+    /// Blocks those jobs set out to write.
+    pub blocks_cascaded: u64,
+    /// Bytes cascade jobs wrote successfully.
+    pub bytes_written: u64,
+    /// Promotions started from the tier (lookups that found the block there).
+    pub promotions: u64,
+    /// Bytes promotion jobs read successfully.
+    pub bytes_read: u64,
+    /// Cascaded blocks skipped by the back-pressure bound.
+    pub skipped_backpressure: u64,
+    /// Cascaded blocks skipped because the tier was not Up.
+    pub skipped_down: u64,
+    /// Cascaded blocks skipped because no room could be made.
+    pub skipped_full: u64,
+    /// Blocks evicted from the tier.
+    pub evictions: u64,
+    /// Jobs that ended with at least one failed block.
+    pub jobs_failed: u64,
+    /// Blocks whose write failed.
+    pub write_failures: u64,
+    /// Blocks whose read failed (verification failures included).
+    pub read_failures: u64,
+    /// Blocks whose read failed verification (what was read is not what was written).
+    pub verification_failures: u64,
+    /// Blocks a promotion found gone from a shared store (evicted or expired there).
+    pub read_missing: u64,
+    /// Promotion jobs ended: whether each succeeded and its latency in seconds, from its
+    /// submission to the tier to its end (queueing included); at most
+    /// [`PROMOTION_LATENCIES_KEPT`].
+    pub promotion_latencies: Vec<(bool, f64)>,
+}
+
+/// What the driver tallies per tier between two takes, beyond the core's counters.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct TierTally {
+    /// The core's counters at the previous take.
+    pub(crate) taken: kvtier_core::TierStats,
+    pub(crate) bytes_written: u64,
+    pub(crate) bytes_read: u64,
+    pub(crate) verification_failures: u64,
+    pub(crate) promotion_latencies: Vec<(bool, f64)>,
+}
+
+impl TierTally {
+    /// Records one tier job's end.
+    pub(crate) fn record(
+        &mut self,
+        path: Path,
+        ok: bool,
+        bytes: u64,
+        corrupt: u64,
+        elapsed: Duration,
+    ) {
+        self.verification_failures += corrupt;
+        match path {
+            Path::Cascade => self.bytes_written += bytes,
+            Path::Promote => {
+                self.bytes_read += bytes;
+                if self.promotion_latencies.len() < PROMOTION_LATENCIES_KEPT {
+                    self.promotion_latencies.push((ok, elapsed.as_secs_f64()));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The figures since the previous take, given the core's counters and gauges now; starts
+    /// the next interval.
+    pub(crate) fn take(
+        &mut self,
+        now: &kvtier_core::TierStats,
+        up: bool,
+        capacity_blocks: u64,
+    ) -> TierMetrics {
+        let was = std::mem::replace(&mut self.taken, now.clone());
+        // The core's counters only grow; saturating keeps a surprise from wrapping.
+        let d = |now: u64, was: u64| now.saturating_sub(was);
+        TierMetrics {
+            capacity_blocks,
+            blocks: now.blocks,
+            up,
+            cascade_jobs: d(now.cascades_submitted, was.cascades_submitted),
+            blocks_cascaded: d(now.blocks_cascaded, was.blocks_cascaded),
+            bytes_written: std::mem::take(&mut self.bytes_written),
+            promotions: d(now.hits, was.hits),
+            bytes_read: std::mem::take(&mut self.bytes_read),
+            skipped_backpressure: d(now.skipped_backpressure, was.skipped_backpressure),
+            skipped_down: d(now.skipped_down, was.skipped_down),
+            skipped_full: d(now.skipped_full, was.skipped_full),
+            evictions: d(now.evictions, was.evictions),
+            jobs_failed: d(now.jobs_failed, was.jobs_failed),
+            write_failures: d(now.write_failures, was.write_failures),
+            read_failures: d(now.read_failures, was.read_failures),
+            verification_failures: std::mem::take(&mut self.verification_failures),
+            read_missing: d(now.read_missing, was.read_missing),
+            promotion_latencies: std::mem::take(&mut self.promotion_latencies),
+        }
+    }
+}

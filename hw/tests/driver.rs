@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_core::{Config, Key, RequestId};
+use kvtier_core::{Config, Key, Lookup, RequestId, TierConfig, TierKind};
 use kvtier_hw::{
-    Completion, Completions, CopyJob, Driver, DriverOptions, EngineError, HwError, Layout, PAGE,
-    Region, TransferEngine,
+    Completion, Completions, CopyJob, Driver, DriverOptions, EngineError, Faults, FaultyStore,
+    FileStore, HwError, Layout, PAGE, Region, SecondaryStore, TierMetrics, TransferEngine,
 };
 
 /// An engine that holds jobs until three are queued, then completes them all, newest first
@@ -146,4 +146,89 @@ fn kept_results_must_keep_one() {
     let err = driver(dir.path(), Immediate, options).unwrap_err();
     assert!(matches!(err, HwError::Setup(_)), "{err}");
     assert!(err.to_string().contains("kept_results"), "{err}");
+}
+
+/// `take_tier_metrics`: gauges as they are, counters since the previous take (zero when
+/// nothing happened), and a read that fails verification counted as such, with its
+/// promotion's latency marked failed.
+#[test]
+fn tier_metrics_are_increments_since_the_last_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = Layout::new(8, 1, PAGE).unwrap();
+    let row = layout.row_bytes() as u64;
+    let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
+    let file = FileStore::open(&dir.path().join("tier"), layout.row_bytes(), 16 * row).unwrap();
+    let store = FaultyStore::new(Arc::new(file));
+    let faults = store.faults();
+    let capacity = store.capacity_blocks();
+    let mut config = Config::new(8);
+    config
+        .tiers
+        .push(TierConfig::new(TierKind::Authoritative, capacity));
+    let stores: Vec<Arc<dyn SecondaryStore>> = vec![Arc::new(store)];
+    let mut driver = Driver::new(
+        config,
+        region,
+        Box::new(Immediate),
+        stores,
+        DriverOptions::default(),
+    )
+    .unwrap();
+    let quiet = |blocks| TierMetrics {
+        capacity_blocks: u64::from(capacity),
+        blocks,
+        up: true,
+        ..TierMetrics::default()
+    };
+    assert_eq!(driver.take_tier_metrics(), vec![quiet(0)]);
+
+    for i in 0..2u8 {
+        let key = Key::new(&[i]);
+        driver
+            .store(RequestId(1), &[(key, usize::from(i) * PAGE)])
+            .unwrap()
+            .unwrap();
+    }
+    driver.settle(16);
+    let [m] = &driver.take_tier_metrics()[..] else {
+        panic!("one tier")
+    };
+    assert_eq!(
+        (m.cascade_jobs, m.blocks_cascaded, m.bytes_written, m.blocks),
+        (2, 2, 2 * row, 2)
+    );
+    assert_eq!(driver.take_tier_metrics(), vec![quiet(2)]);
+
+    // The primary forgets; the tier's copy of block 0 reads back corrupt.
+    driver.reset_cache(Duration::from_secs(10)).unwrap();
+    driver.reset_flushed();
+    faults.set(Faults {
+        corrupt_gets: true,
+        ..Faults::default()
+    });
+    assert_eq!(
+        driver.lookup(RequestId(2), &Key::new(&[0])),
+        Lookup::HitPending
+    );
+    driver.end_step();
+    driver.settle(16);
+    let [m] = &driver.take_tier_metrics()[..] else {
+        panic!("one tier")
+    };
+    assert_eq!(
+        (
+            m.promotions,
+            m.read_failures,
+            m.verification_failures,
+            m.jobs_failed,
+            m.bytes_read
+        ),
+        (1, 1, 1, 1, 0)
+    );
+    assert!(
+        matches!(&m.promotion_latencies[..], [(false, s)] if *s >= 0.0),
+        "{:?}",
+        m.promotion_latencies
+    );
+    driver.shutdown();
 }

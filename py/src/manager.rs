@@ -1026,6 +1026,68 @@ impl Manager {
         ))
     }
 
+    /// Per secondary tier, a dict of its figures for vLLM's `get_stats`: the gauges now
+    /// (`capacity_blocks`, `capacity_bytes`, `blocks`, `bytes`, `up`), the counters since the
+    /// previous call (`cascade_jobs`, `blocks_cascaded`, `bytes_written`, `promotions`,
+    /// `bytes_read`, `skipped_backpressure`, `skipped_down`, `skipped_full`, `evictions`,
+    /// `jobs_failed`, `write_failures`, `read_failures`, `verification_failures`,
+    /// `read_missing`), and `promotion_latencies`: `(succeeded, seconds)` per promotion job
+    /// ended meanwhile. An empty list after shutdown.
+    fn take_tier_metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let tiers = match self.lock(py).driver.as_mut() {
+            Some(d) => d.take_tier_metrics(),
+            None => Vec::new(),
+        };
+        let row = self.row_bytes as u64;
+        let out = PyList::empty(py);
+        for t in tiers {
+            let d = PyDict::new(py);
+            d.set_item(intern!(py, "capacity_blocks"), t.capacity_blocks)?;
+            d.set_item(intern!(py, "capacity_bytes"), t.capacity_blocks * row)?;
+            d.set_item(intern!(py, "blocks"), t.blocks)?;
+            d.set_item(intern!(py, "bytes"), t.blocks * row)?;
+            d.set_item(intern!(py, "up"), t.up)?;
+            for (name, value) in [
+                (intern!(py, "cascade_jobs"), t.cascade_jobs),
+                (intern!(py, "blocks_cascaded"), t.blocks_cascaded),
+                (intern!(py, "bytes_written"), t.bytes_written),
+                (intern!(py, "promotions"), t.promotions),
+                (intern!(py, "bytes_read"), t.bytes_read),
+                (intern!(py, "skipped_backpressure"), t.skipped_backpressure),
+                (intern!(py, "skipped_down"), t.skipped_down),
+                (intern!(py, "skipped_full"), t.skipped_full),
+                (intern!(py, "evictions"), t.evictions),
+                (intern!(py, "jobs_failed"), t.jobs_failed),
+                (intern!(py, "write_failures"), t.write_failures),
+                (intern!(py, "read_failures"), t.read_failures),
+                (
+                    intern!(py, "verification_failures"),
+                    t.verification_failures,
+                ),
+                (intern!(py, "read_missing"), t.read_missing),
+            ] {
+                d.set_item(name, value)?;
+            }
+            d.set_item(intern!(py, "promotion_latencies"), t.promotion_latencies)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Blocks each secondary tier can hold, in order (what its `capacity_bytes` gives).
+    #[getter]
+    fn tier_capacity_blocks(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let mut inner = self.lock(py);
+        Ok(inner
+            .driver()?
+            .manager()
+            .config()
+            .tiers
+            .iter()
+            .map(|t| t.capacity_blocks)
+            .collect())
+    }
+
     /// The core's counters, and per tier its blocks and health, as a dict (for reports).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let mut inner = self.lock(py);

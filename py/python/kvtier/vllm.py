@@ -126,6 +126,80 @@ CPU_CACHE_READ_USAGE_PERC = "vllm:kv_offload_cpu_cache_read_usage_perc"
 CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
 STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
 
+#: The label of kvtier's per-tier series: ``"{i+1}:{type}"`` for ``secondary_tiers[i]``
+#: (``"1:file"``), and ``"0:primary"`` for the primary's series of ``config_info``; vLLM's
+#: own tiering labels its tiers the same way.
+TIER_LABEL = "tier"
+PRIMARY_TIER = "0:primary"
+
+# kvtier's per-tier metrics (label ``tier``; the table in docs/vllm.md says what each is).
+TIER_CAPACITY_BLOCKS = "vllm:kvtier_tier_capacity_blocks"
+TIER_CAPACITY_BYTES = "vllm:kvtier_tier_capacity_bytes"
+TIER_USAGE_BLOCKS = "vllm:kvtier_tier_usage_blocks"
+TIER_USAGE_BYTES = "vllm:kvtier_tier_usage_bytes"
+TIER_UP = "vllm:kvtier_tier_up"
+TIER_CASCADE_JOBS = "vllm:kvtier_tier_cascade_jobs"
+TIER_CASCADED_BLOCKS = "vllm:kvtier_tier_cascaded_blocks"
+TIER_WRITTEN_BYTES = "vllm:kvtier_tier_written_bytes"
+TIER_PROMOTIONS = "vllm:kvtier_tier_promotions"
+TIER_READ_BYTES = "vllm:kvtier_tier_read_bytes"
+TIER_EVICTIONS = "vllm:kvtier_tier_evictions"
+TIER_JOBS_FAILED = "vllm:kvtier_tier_jobs_failed"
+TIER_WRITE_FAILURES = "vllm:kvtier_tier_write_failures"
+TIER_READ_FAILURES = "vllm:kvtier_tier_read_failures"
+TIER_VERIFICATION_FAILURES = "vllm:kvtier_tier_verification_failures"
+TIER_BLOCKS_MISSING = "vllm:kvtier_tier_blocks_missing"
+#: Labels ``tier`` and ``reason`` (``backpressure``, ``tier_down``, ``tier_full``).
+TIER_CASCADES_SKIPPED = "vllm:kvtier_tier_cascades_skipped_blocks"
+#: Labels ``tier`` and ``result`` (``ok``, ``failed``).
+TIER_PROMOTION_LATENCY = "vllm:kvtier_tier_promotion_latency_seconds"
+
+# (metric, key of the native figures, help): gauges, then counters, per tier.
+_TIER_GAUGES = (
+    (TIER_CAPACITY_BLOCKS, "capacity_blocks", "Blocks the kvtier tier can hold."),
+    (TIER_CAPACITY_BYTES, "capacity_bytes", "Bytes of blocks the kvtier tier can hold."),
+    (TIER_USAGE_BLOCKS, "blocks", "Blocks the kvtier tier holds or is writing."),
+    (TIER_USAGE_BYTES, "bytes", "Bytes of the blocks the kvtier tier holds or is writing."),
+    (TIER_UP, "up", "1 while the kvtier tier is Up; 0 while Down (skipped after failures)."),
+)
+_TIER_COUNTERS = (
+    (TIER_CASCADE_JOBS, "cascade_jobs", "Cascade jobs (primary to tier writes) submitted."),
+    (TIER_CASCADED_BLOCKS, "blocks_cascaded", "Blocks cascade jobs set out to write."),
+    (TIER_WRITTEN_BYTES, "bytes_written", "Bytes cascade jobs wrote to the tier."),
+    (TIER_PROMOTIONS, "promotions", "Promotions started: lookups that found the block here."),
+    (TIER_READ_BYTES, "bytes_read", "Bytes promotion jobs read from the tier."),
+    (TIER_EVICTIONS, "evictions", "Blocks evicted from the tier."),
+    (TIER_JOBS_FAILED, "jobs_failed", "Tier jobs that ended with a failed block."),
+    (TIER_WRITE_FAILURES, "write_failures", "Blocks whose write to the tier failed."),
+    (TIER_READ_FAILURES, "read_failures", "Blocks whose read from the tier failed."),
+    (
+        TIER_VERIFICATION_FAILURES,
+        "verification_failures",
+        "Blocks read from the tier that failed verification (never served).",
+    ),
+    (
+        TIER_BLOCKS_MISSING,
+        "read_missing",
+        "Blocks a promotion found gone from a shared tier (evicted or expired there).",
+    ),
+)
+# The reasons of TIER_CASCADES_SKIPPED, with their native keys.
+_SKIP_REASONS = (
+    ("backpressure", "skipped_backpressure"),
+    ("tier_down", "skipped_down"),
+    ("tier_full", "skipped_full"),
+)
+#: Buckets of TIER_PROMOTION_LATENCY, in seconds.
+PROMOTION_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)
+
+
+def tier_labels(tiers: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The ``tier`` label of each of ``tiers`` (``secondary_tiers``' tables), in order."""
+    return [f"{i + 1}:{t.get('type', 'file')}" for i, t in enumerate(tiers)]
+
 
 class KvtierLoadStoreSpec(_SlotsSpec):
     """Primary slots (chunks of the shared region), one per offloaded block: a vLLM
@@ -370,6 +444,28 @@ class Settings:
         )
 
 
+class _StandaloneStats:
+    """The shape of vLLM's ``OffloadingConnectorStats`` where vLLM is absent: ``data`` maps
+    a metric name to ``{label values: value}`` (a histogram's value is its observations)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[tuple[str, ...], Any]] = {}
+
+    def set_gauge(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
+        self.data.setdefault(name, {})[labelvalues] = value
+
+    def increase_counter(
+        self, name: str, value: float = 1, labelvalues: tuple[str, ...] = ()
+    ) -> None:
+        values = self.data.setdefault(name, {})
+        values[labelvalues] = values.get(labelvalues, 0) + value
+
+    def observe_histogram(
+        self, name: str, value: float, labelvalues: tuple[str, ...] = ()
+    ) -> None:
+        self.data.setdefault(name, {}).setdefault(labelvalues, []).append(value)
+
+
 class KvtierOffloadingManager(_base.OffloadingManager):
     """vLLM 0.33's ``OffloadingManager`` over kvtier's core.
 
@@ -432,6 +528,10 @@ class KvtierOffloadingManager(_base.OffloadingManager):
             (Medium.STORAGE, Locality.LOCAL, f"tier{i}:{t.get('type', 'file')}")
             for i, t in enumerate(settings.tiers)
         ]
+        self._tier_labels = [(label,) for label in tier_labels(settings.tiers)]
+        # Counters go out at the first get_stats even at zero (their series exist from the
+        # start), then only when they grew.
+        self._counters_sent = False
 
     @property
     def lock(self) -> threading.Lock:
@@ -532,22 +632,19 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         return 2 + 2 * max(1, self.settings.pipeline_stages)
 
     def get_stats(self) -> Any:
+        """vLLM's CPU-tier metrics for the primary, exactly as vLLM's CPU manager reports
+        them, then kvtier's per-tier metrics (label ``tier``): gauges every call, counters
+        as their increase since the previous call, promotion latencies as observations.
+        Without vLLM, a dict of metric name to ``{label values: value}``."""
         usage, write_usage, read_usage, sizes, skipped = self._native.take_metrics()
-        if not HAVE_VLLM:
-            stats = {
-                CPU_CACHE_USAGE_PERC: usage,
-                CPU_CACHE_WRITE_USAGE_PERC: write_usage,
-                CPU_CACHE_READ_USAGE_PERC: read_usage,
-                CPU_ALLOCATION_SIZE: sizes,
-            }
-            if skipped is not None:
-                stats[STORES_SKIPPED] = skipped
-            return stats
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
+        if HAVE_VLLM:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+                OffloadingConnectorStats,
+            )
 
-        stats = OffloadingConnectorStats()
+            stats = OffloadingConnectorStats()
+        else:
+            stats = _StandaloneStats()
         stats.set_gauge(CPU_CACHE_USAGE_PERC, usage)
         for size in sizes:
             stats.observe_histogram(CPU_ALLOCATION_SIZE, size)
@@ -555,22 +652,60 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         stats.set_gauge(CPU_CACHE_READ_USAGE_PERC, read_usage)
         if skipped is not None:
             stats.increase_counter(STORES_SKIPPED, skipped)
-        return stats
+        if self._tier_labels:
+            self._tier_stats(stats)
+        return stats if HAVE_VLLM else stats.data
+
+    def _tier_stats(self, stats: Any) -> None:
+        """Each secondary tier's figures since the previous call onto ``stats``."""
+        every = not self._counters_sent
+        self._counters_sent = True
+        for label, t in zip(self._tier_labels, self._native.take_tier_metrics()):
+            for name, key, _ in _TIER_GAUGES:
+                stats.set_gauge(name, int(t[key]), label)
+            for name, key, _ in _TIER_COUNTERS:
+                if every or t[key]:
+                    stats.increase_counter(name, t[key], label)
+            for reason, key in _SKIP_REASONS:
+                if every or t[key]:
+                    stats.increase_counter(TIER_CASCADES_SKIPPED, t[key], (*label, reason))
+            for ok, seconds in t["promotion_latencies"]:
+                stats.observe_histogram(
+                    TIER_PROMOTION_LATENCY, seconds, (*label, "ok" if ok else "failed")
+                )
 
     def config_info(self) -> Sequence[Mapping[str, Any]]:
+        """vLLM's ``vllm:kv_offload_config_info`` series: the primary's (vLLM's CPU tier's
+        labels and ``kvtier_secondary_tiers``), then one per secondary tier; each says its
+        ``tier``, ``eviction_policy`` and capacity (``KvtierOffloadingSpec.config_info_keys``
+        lists the labels)."""
         s = self.settings
-        return [
-            {
-                "cpu_num_chunks": s.num_blocks,
-                "cpu_blocks_per_chunk": s.blocks_per_chunk,
-                "cpu_kv_cache_size_bytes": s.num_blocks * s.row_bytes,
-                # vLLM writes an unknown value as "None".
-                "cpu_kv_cache_size_tokens": (
-                    "None" if s.kv_cache_size_tokens is None else s.kv_cache_size_tokens
-                ),
-                "kvtier_secondary_tiers": len(s.tiers),
-            }
-        ]
+        primary = {
+            "cpu_num_chunks": s.num_blocks,
+            "cpu_blocks_per_chunk": s.blocks_per_chunk,
+            "cpu_kv_cache_size_bytes": s.num_blocks * s.row_bytes,
+            # vLLM writes an unknown value as "None".
+            "cpu_kv_cache_size_tokens": (
+                "None" if s.kv_cache_size_tokens is None else s.kv_cache_size_tokens
+            ),
+            "kvtier_secondary_tiers": len(s.tiers),
+            TIER_LABEL: PRIMARY_TIER,
+            "eviction_policy": s.policy,
+            "capacity_blocks": s.num_blocks,
+            "capacity_bytes": s.num_blocks * s.row_bytes,
+        }
+        series = [primary]
+        capacities = self._native.tier_capacity_blocks
+        for (label,), t, blocks in zip(self._tier_labels, s.tiers, capacities):
+            series.append(
+                {
+                    TIER_LABEL: label,
+                    "eviction_policy": t.get("eviction_policy", "lru"),
+                    "capacity_blocks": blocks,
+                    "capacity_bytes": blocks * s.row_bytes,
+                }
+            )
+        return series
 
     def stats(self) -> dict[str, Any]:
         """kvtier's own counters: lookups, hits, promotions, evictions, pins, and per tier
@@ -759,16 +894,41 @@ class KvtierOffloadingSpec(_base.OffloadingSpec):
             defs[STORES_SKIPPED] = counter(
                 documentation="Stores skipped because the reuse threshold was not reached."
             )
+        if extra_config.get("secondary_tiers"):
+            tier = (TIER_LABEL,)
+            for name, _, doc in _TIER_GAUGES:
+                defs[name] = gauge(documentation=doc, labelnames=tier)
+            for name, _, doc in _TIER_COUNTERS:
+                defs[name] = counter(documentation=doc, labelnames=tier)
+            defs[TIER_CASCADES_SKIPPED] = counter(
+                documentation="Cascaded blocks not written to the tier, by reason: "
+                "backpressure (its writes at their bound), tier_down (not Up), tier_full "
+                "(no room could be made).",
+                labelnames=(TIER_LABEL, "reason"),
+            )
+            defs[TIER_PROMOTION_LATENCY] = hist(
+                documentation="Seconds from a promotion job's submission to the tier to its "
+                "end (queueing included), by result (ok, failed).",
+                labelnames=(TIER_LABEL, "result"),
+                buckets=PROMOTION_LATENCY_BUCKETS,
+            )
         return defs
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of ``vllm:kv_offload_config_info``: vLLM's CPU tier's, then
+        kvtier's. The primary's series fills them all; a secondary tier's fills ``tier``,
+        ``eviction_policy``, ``capacity_blocks`` and ``capacity_bytes``."""
         return (
             "cpu_num_chunks",
             "cpu_blocks_per_chunk",
             "cpu_kv_cache_size_bytes",
             "cpu_kv_cache_size_tokens",
             "kvtier_secondary_tiers",
+            TIER_LABEL,
+            "eviction_policy",
+            "capacity_blocks",
+            "capacity_bytes",
         )
 
     def __init__(self, config: Any):
