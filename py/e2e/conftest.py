@@ -75,6 +75,9 @@ class Run:
     """What one engine run answered, and what its probe wrote."""
 
     def __init__(self, out: dict, probe: Path):
+        #: With ``kill``: (the processes that mapped kvtier's region and how many bytes,
+        #: Shmem just before the kill, Shmem once every process was gone).
+        self.killed: tuple | None = None
         self.rounds = out["rounds"]
         self.metrics = out["metrics"]
         self.probe = probe
@@ -157,6 +160,35 @@ def _sid(proc_dir: Path) -> int | None:
 _REGION = re.compile(r"^\.?kvtier-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
+def shm_bytes() -> int:
+    """Shared memory in use on the machine (``Shmem`` of /proc/meminfo)."""
+    for line in open("/proc/meminfo"):
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def region_mappers(sid: int) -> dict[int, int]:
+    """The processes of session ``sid`` that map an anonymous kvtier region
+    (``/memfd:kvtier:NAME``), with the bytes each maps."""
+    out = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or _sid(p) != sid:
+            continue
+        try:
+            maps = (p / "maps").read_text()
+        except OSError:
+            continue
+        size = 0
+        for line in maps.splitlines():
+            if "/memfd:kvtier:" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                size += hi - lo
+        if size:
+            out[int(p.name)] = size
+    return out
+
+
 def shm_regions() -> set[str]:
     """kvtier's engine regions in /dev/shm."""
     shm = Path("/dev/shm")
@@ -200,13 +232,20 @@ def run_engine(tmp_path_factory, model):
                     kill_session(proc)
                     pytest.fail(f"the engine did not finish in {timeout} s:\n{tail(log)}")
                 time.sleep(0.2)
+            killed = None
             if scenario.get("kill"):
+                # What the kill must free: the processes mapping kvtier's region, and the
+                # machine's shared memory just before.
+                killed = (region_mappers(proc.pid), shm_bytes())
                 kill_session(proc)
+                killed += (shm_bytes(),)
         if not out.exists() or (proc.returncode != 0 and not scenario.get("kill")):
             pytest.fail(f"the engine failed ({proc.returncode}):\n{tail(log)}")
         left = shm_regions() - before
         assert not left, f"the engine left {sorted(left)} in /dev/shm"
-        return Run(json.loads(out.read_text()), probe)
+        result = Run(json.loads(out.read_text()), probe)
+        result.killed = killed
+        return result
 
     return run
 

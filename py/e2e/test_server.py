@@ -56,7 +56,7 @@ def test_the_openai_server_answers_the_same_reports_kvtier_and_leaves_nothing(
         "kv_connector_extra_config": {
             "spec_name": "KvtierOffloadingSpec",
             "spec_module_path": "kvtier.vllm",
-            "cpu_bytes_to_use": 8 * BLOCK_BYTES,
+            "cpu_bytes_to_use": 16 * BLOCK_BYTES,
             "secondary_tiers": [file_tier(tmp_path / "tier")],
         },
     }
@@ -108,6 +108,18 @@ def test_the_openai_server_answers_the_same_reports_kvtier_and_leaves_nothing(
                      "vllm:kv_offload_cpu_allocation_size_count"):
             assert metric_values(text, name), f"{name} is not in /metrics"
         assert sum(metric_values(text, "vllm:external_prefix_cache_hits_total")) > 0
+        # The file tier's own figures, labelled by tier.
+        capacity = metric_values(text, "vllm:kvtier_tier_capacity_blocks")
+        assert len(capacity) == 1 and 75 <= capacity[0] <= 128, capacity
+        assert metric_values(text, "vllm:kvtier_tier_up") == [1.0]
+        assert sum(metric_values(text, "vllm:kvtier_tier_cascaded_blocks_total")) > 0
+        assert sum(metric_values(text, "vllm:kvtier_tier_promotions_total")) > 0
+        assert sum(metric_values(text, "vllm:kvtier_tier_promotion_latency_seconds_count")) > 0
+        assert sum(metric_values(text, "vllm:kvtier_tier_read_failures_total")) == 0
+        assert 'tier="1:file"' in text
+        # vLLM 0.32 has no config-info metric (0.33's); where it has, it names the tiers.
+        info = [l for l in text.splitlines() if l.startswith("vllm:kv_offload_config_info{")]
+        assert not info or any('tier="1:file"' in l for l in info)
     finally:
         # Ctrl-C: SIGINT to the server's process group.
         try:

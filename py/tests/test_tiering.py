@@ -176,6 +176,33 @@ def test_reset_cache_holds_promotions_until_flushed(region_dir, tmp_path):
         node.close()
 
 
+def test_where_vllm_never_reports_the_flush_the_fence_ends_after_its_steps(
+    region_dir, tmp_path, monkeypatch
+):
+    """vLLM 0.32 never calls on_reset_flushed: the fence ends at the reset_fence_steps-th
+    scheduler step after the reset, not one step earlier."""
+    caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(16))
+    monkeypatch.setattr(kv, "RESET_FLUSHED_CALLED", False)
+    node = Node(region_dir, tmp_path / "tier", caches)
+    try:
+        node.store([b"r"], [0])
+        node.settle()
+        steps = node.manager.reset_fence_steps
+        assert steps == 4  # one pipeline stage
+        node.manager.reset_cache()
+        ctx = node.request()
+        for _ in range(steps - 1):
+            assert node.manager.lookup(b"r", ctx) is kv.LookupResult.MISS
+            node.manager.on_schedule_end(END)
+        assert node.manager.lookup(b"r", ctx) is kv.LookupResult.MISS
+        # The fence's last step: promotions may take the freed slots again.
+        node.manager.on_schedule_end(END)
+        result, _ = node.lookup_until_settled(b"r", ctx)
+        assert result is kv.LookupResult.HIT
+    finally:
+        node.close()
+
+
 def test_a_failed_store_never_cascades(region_dir, tmp_path):
     caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(7))
     node = Node(region_dir, tmp_path / "tier", caches)
@@ -189,6 +216,26 @@ def test_a_failed_store_never_cascades(region_dir, tmp_path):
         assert node.manager.lookup(b"bad", ctx) is kv.LookupResult.MISS
         events = list(node.manager.take_events())
         assert all(e.metadata_only for e in events if e.removed)
+    finally:
+        node.close()
+
+
+def test_where_events_have_no_metadata_only_a_failed_store_announces_nothing(
+    region_dir, tmp_path, monkeypatch
+):
+    """vLLM 0.32's OffloadingEvent has no metadata_only, and its own manager sends no event
+    for a failed store: neither does kvtier's there (building the event would raise)."""
+    caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(17))
+    monkeypatch.setattr(kv, "EVENT_METADATA_ONLY", False)
+    node = Node(region_dir, tmp_path / "tier", caches)
+    try:
+        node.store([b"good"], [0])
+        ctx = node.request()
+        out = node.manager.prepare_store([b"bad"], ctx)
+        node.manager.complete_store(out.keys_to_store, ctx, success=False)
+        events = list(node.manager.take_events())
+        assert events and not any(e.metadata_only for e in events)
+        assert not any(b"bad" in e.keys for e in events if e.removed)
     finally:
         node.close()
 
