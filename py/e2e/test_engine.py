@@ -20,26 +20,26 @@ def served_from_kvtier(run: Run) -> None:
     assert run.check_blocks() > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc", "reuse"])
-def test_a_small_primary_evicts_and_answers_stay_the_same(run_engine, reference, policy):
-    """40 slots for 75 distinct blocks: the primary evicts under each policy, and what it
-    serves changes no token and no logprob."""
-    run = run_engine(kvtier(40, eviction_policy=policy), [{"prompts": FIRST}, {"prompts": SECOND}],
-                     kv_events=policy == "arc")
+@pytest.mark.parametrize(
+    "policy, blocks_per_chunk, events",
+    [("lru", 1, False), ("arc", 1, True), ("reuse", 2, False)],
+    ids=["lru", "arc-kv-events", "reuse-chunks-of-2"],
+)
+def test_a_small_primary_evicts_and_answers_stay_the_same(run_engine, reference, policy,
+                                                          blocks_per_chunk, events):
+    """40 blocks of room for 75 distinct ones: the primary evicts under each policy, and
+    what it serves changes no token and no logprob. The ``arc`` run has KV cache events on;
+    the ``reuse`` run has chunks of two vLLM blocks (``block_size`` 64 in the extra config),
+    so loads that start inside a chunk must still place every GPU block's bytes."""
+    slots = 40 // blocks_per_chunk
+    run = run_engine(kvtier(slots, blocks_per_chunk=blocks_per_chunk, eviction_policy=policy),
+                     [{"prompts": FIRST}, {"prompts": SECOND}], kv_events=events)
     same_answers(reference, run)
     served_from_kvtier(run)
     assert run.stats()["evictions"] > 0
     # More of each returning prompt came from a cache than without kvtier.
     cached = sum(a["cached_tokens"] for a in run.rounds[1])
     assert cached > sum(a["cached_tokens"] for a in reference.rounds[1])
-
-
-def test_chunks_of_several_blocks(run_engine, reference):
-    """kvtier's block is two of vLLM's (``block_size`` 64 in the extra config): loads that
-    start inside a chunk still place every GPU block's bytes."""
-    run = run_engine(kvtier(20, blocks_per_chunk=2), [{"prompts": FIRST}, {"prompts": SECOND}])
-    same_answers(reference, run)
-    served_from_kvtier(run)
 
 
 def test_a_file_tier_promotes_and_serves_its_blocks_after_a_restart(run_engine, reference,
