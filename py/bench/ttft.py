@@ -15,15 +15,16 @@ token it fills the device cache, so the next prompt evicts every block of it, an
 from the device cache or from kvtier, is its 128 full blocks; the 31 tokens after them are
 computed again in every case.
 
-Prompts P0, P1, ... go to each engine in turn (the order rotates from one repetition to the
-next). Repetition k sends P[k+1] (``cold``: a new prompt, which also pushes P[k] out of the
-device cache), then P[k] (``return``: the figure this measures), then P[k]
-``--floor-samples`` more times (``floor``: P[k] from the engine's own device prefix cache,
+Prompts go to each engine in turn (the order rotates from one repetition to the next).
+Each repetition sends a new prompt (``cold``, which also pushes the previous one out of the
+device cache), then the previous prompt (``return``: the figure this measures), then that
+prompt ``--floor-samples`` more times (``floor``: from the engine's own device prefix cache,
 nothing loaded). Each request asks for one token, so the time ``generate`` takes is its time
 to first token. Between the engines' turns, this process times two baselines on the bytes a
 return loads: one ``memcpy`` between two buffers in memory, and a raw ``O_DIRECT`` read of a
 file of that size on the file tier's filesystem (one ``preadv`` per KV block, on 1 thread and
-on as many threads as the tier has IO threads).
+on as many threads as the tier has IO threads). One repetition more than ``--reps`` runs
+first and is not reported: it brings the file engine to its steady state.
 
 vLLM's load time (``vllm:kv_offload_load_time``) is the sum of kvtier's load jobs' times,
 each from its submission to the worker to its end. Each engine warms up first (a short
