@@ -289,8 +289,8 @@ def _float_setting(extra: Mapping[str, Any], key: str, default: float) -> float:
 class Settings:
     """kvtier's settings, read from vLLM's ``OffloadingConfig`` and checked.
 
-    vLLM's own keys: ``cpu_bytes_to_use`` (required), ``eviction_policy`` (``"lru"`` or
-    ``"arc"``), ``store_threshold``, ``max_tracker_size``. kvtier's: ``secondary_tiers``
+    vLLM's own keys: ``cpu_bytes_to_use`` (required), ``eviction_policy`` (``"lru"``,
+    ``"arc"``, or kvtier's ``"reuse"``), ``store_threshold``, ``max_tracker_size``. kvtier's: ``secondary_tiers``
     (a list of ``{"type": "file", "path", "capacity_bytes", "eviction_policy"?, "fsync"?}`` or
     ``{"type": "redis", "urls", "capacity_bytes", "cluster"?, "namespace"?, "timeout_ms"?,
     "ttl_s"?, "username_env"?, "password_env"?, "tls"?, "tls_ca_file"?, "eviction_policy"?}``),
