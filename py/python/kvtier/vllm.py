@@ -1,4 +1,4 @@
-"""kvtier as vLLM 0.33's offloading backend.
+"""kvtier as vLLM's offloading backend (vLLM 0.32 and 0.33, told apart by feature).
 
 vLLM loads it through its ``OffloadingConnector``::
 
