@@ -171,7 +171,7 @@ struct Inner {
     tiers: bool,
     /// Keys a request named before vLLM recorded their positions: read again, through the
     /// request context's public accessor, when the request finishes.
-    unpositioned: HashMap<RequestId, Vec<Py<PyAny>>>,
+    unpositioned: HashMap<RequestId, HashSet<Key>>,
     /// Scheduler steps left before a cache reset's fence ends without `on_reset_flushed`
     /// (for a vLLM that never calls it; see `reset_cache`).
     fence_steps: Option<u32>,
@@ -214,7 +214,7 @@ impl Inner {
         for (item, key) in items.iter().zip(keys.iter()) {
             match position_of(positions, item)? {
                 Some(end) => driver.set_position(req, key, end),
-                None => missing.push(item.clone().unbind()),
+                None => missing.push(key.clone()),
             }
         }
         if !missing.is_empty() {
@@ -636,8 +636,11 @@ impl Manager {
             match position_of(positions(req_context).as_ref(), key_obj)? {
                 Some(end) => inner.driver()?.set_position(req, &key, end),
                 None => {
-                    let item = key_obj.clone().into_any().unbind();
-                    inner.unpositioned.entry(req).or_default().push(item);
+                    inner
+                        .unpositioned
+                        .entry(req)
+                        .or_default()
+                        .insert(key.clone());
                 }
             }
         }
@@ -914,10 +917,10 @@ impl Manager {
         // are asked again.
         let reread = inner.unpositioned.remove(&req).unwrap_or_default();
         let driver = inner.driver()?;
-        for item in reread {
-            let item = item.bind(py);
-            if let Some(end) = position_of(positions.as_ref(), item)? {
-                driver.set_position(req, &key_of(item)?, end);
+        for key in reread {
+            let item = PyBytes::new(py, key.as_bytes()).into_any();
+            if let Some(end) = position_of(positions.as_ref(), &item)? {
+                driver.set_position(req, &key, end);
             }
         }
         driver.request_finished(req);
