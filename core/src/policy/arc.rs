@@ -205,7 +205,7 @@ impl EvictionPolicy for ArcPolicy {
                 continue;
             }
             // T2 has nothing left: fall back to T1.
-            if cfg!(kvtier_mutant = "arc_no_fallback") {
+            if crate::mutant::active("arc_no_fallback") {
                 return;
             }
             match self.next_eligible(&mut c1, eligible) {
