@@ -2,7 +2,7 @@
 //!
 //! It carries work from the driver to IO threads and completions from IO threads back to the
 //! driver. The driver thread alone owns the core; everything that crosses threads crosses
-//! here, and `hw/tests/loom.rs` (with `--cfg loom`) checks it under every interleaving.
+//! here, and `hw/tests/loom.rs` (with the `loom` feature) checks it under every interleaving.
 //!
 //! Guarantees, each checked by loom:
 //! - Q1: every pushed item is popped exactly once, in push order.

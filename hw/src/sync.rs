@@ -1,10 +1,10 @@
-//! The synchronisation primitives shared between threads, swapped for loom's under `--cfg loom`
-//! so that the loom tests explore every interleaving of the code that uses them.
+//! The synchronisation primitives shared between threads, swapped for loom's under the `loom`
+//! feature so that the loom tests explore every interleaving of the code that uses them.
 
-#[cfg(loom)]
+#[cfg(feature = "loom")]
 pub(crate) use loom::sync::{Condvar, Mutex, MutexGuard};
 
-#[cfg(not(loom))]
+#[cfg(not(feature = "loom"))]
 pub(crate) use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// Locks `m`, ignoring poisoning: every critical section in this crate leaves the data

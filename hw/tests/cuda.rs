@@ -3,7 +3,7 @@
 //! `--features cuda`); the copy test needs a GPU and runs only with `KVTIER_CUDA_TESTS=1`.
 //! The engine's behaviour on driver failures is tested on a fake driver, in the crate's unit
 //! tests (`cargo test -p kvtier-hw --features cuda --lib cuda`).
-#![cfg(all(feature = "cuda", not(loom)))]
+#![cfg(all(feature = "cuda", not(feature = "loom")))]
 #![allow(unsafe_code)]
 
 use std::sync::Arc;

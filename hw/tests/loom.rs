@@ -2,10 +2,9 @@
 //! `hw/src/queue.rs`), under every interleaving loom explores. Run with:
 //!
 //! ```sh
-//! RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=3 \
-//!     cargo test -p kvtier-hw --test loom --release
+//! LOOM_MAX_PREEMPTIONS=3 cargo test -p kvtier-hw --features loom --test loom --release
 //! ```
-#![cfg(loom)]
+#![cfg(feature = "loom")]
 
 use kvtier_hw::Queue;
 use loom::sync::Arc;
