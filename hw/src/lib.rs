@@ -15,6 +15,7 @@
 //! Architecture invariant: only the driver thread calls the core; IO threads only push
 //! completions onto a [`Queue`].
 
+mod affinity;
 mod checksum;
 mod driver;
 mod engine;
@@ -35,6 +36,7 @@ mod cuda;
 
 pub mod bench;
 
+pub use affinity::{AffinityError, Cpus};
 pub use driver::{Driver, DriverOptions, ShutdownReport};
 pub use engine::{
     BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, HostEngine,

@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Sender, channel};
+use std::sync::mpsc::{Sender, channel, sync_channel};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -28,7 +28,7 @@ use pyo3::prelude::*;
 
 use kvtier_core::SlotId;
 use kvtier_hw::{
-    Completion, Completions, CudaEngine, CudaStream, Direction, Layout, Piece, Queue, Region,
+    Completion, Completions, Cpus, CudaEngine, CudaStream, Direction, Layout, Piece, Queue, Region,
     TransferEngine, TransferId,
 };
 
@@ -225,10 +225,13 @@ pub(crate) struct Worker {
 impl Worker {
     /// A handler for rank `rank` of the region at `region_path` (`rows` slots, `workers`
     /// ranks, `block_bytes_per_worker` bytes of a slot per rank). `groups` lists, per KV cache
-    /// group, its tensors as `(address, blocks, stride, page)`.
+    /// group, its tensors as `(address, blocks, stride, page)`. `copy_cpus` is where the copy
+    /// thread runs: `"any"` CPU the process may use (not the binding of the engine's thread
+    /// that calls this), `"inherit"` that binding, or a list such as `"2,4-7"`.
     #[new]
     #[pyo3(signature = (*, region_path, rows, workers, block_bytes_per_worker, rank, groups,
-        blocks_per_chunk = 1, attach_timeout_s = 60.0, device = None, tensors = Vec::new()))]
+        blocks_per_chunk = 1, attach_timeout_s = 60.0, device = None, tensors = Vec::new(),
+        copy_cpus = "any"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         region_path: PathBuf,
@@ -241,7 +244,11 @@ impl Worker {
         attach_timeout_s: f64,
         device: Option<i32>,
         tensors: Vec<Py<PyAny>>,
+        copy_cpus: &str,
     ) -> PyResult<Self> {
+        let copy_cpus: Cpus = copy_cpus
+            .parse()
+            .map_err(|e| errors::config("copy_cpus", e))?;
         if device.is_some() && !kvtier_hw::cuda_driver_present() {
             return Err(errors::TransferError::new_err(
                 "the KV cache is in GPU memory, but no CUDA driver library (libcuda) can be \
@@ -317,10 +324,17 @@ impl Worker {
             page_delay_us: AtomicU64::new(0),
         });
         let (tx, rx) = channel::<Job>();
+        let (bound_tx, bound_rx) = sync_channel(1);
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvtier-rank-{rank}"))
             .spawn(move || {
+                let bound = copy_cpus.apply_to_current_thread();
+                let refused = bound.is_err();
+                let _ = bound_tx.send(bound);
+                if refused {
+                    return;
+                }
                 while let Ok(job) = rx.recv() {
                     let result =
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.run(&job)))
@@ -331,6 +345,15 @@ impl Worker {
             .map_err(|e| {
                 errors::TransferError::new_err(format!("cannot start a copy thread: {e}"))
             })?;
+        match bound_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(errors::config("copy_cpus", e)),
+            Err(_) => {
+                return Err(errors::TransferError::new_err(
+                    "the copy thread ended as it started",
+                ));
+            }
+        }
         Ok(Worker {
             shared,
             jobs: Mutex::new(Some(tx)),

@@ -238,3 +238,64 @@ def test_a_tensor_larger_than_the_region_holds_is_refused(region_dir):
     settings = kv.Settings(num_blocks=2, region_path=str(region_dir / "r"), block_bytes_per_worker=4096)
     with pytest.raises(kvtier.ConfigError, match="kv_caches"):
         kv.KvtierOffloadingWorker(caches, settings)
+
+
+def _copy_thread_cpus() -> set[int]:
+    """The CPUs the copy thread of the one handler alive in this process may run on."""
+    import glob
+    import os
+
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        if open(comm).read().strip().startswith("kvtier-rank-"):
+            return os.sched_getaffinity(int(comm.split("/")[4]))
+    raise AssertionError("no kvtier-rank thread")
+
+
+@pytest.mark.parametrize("copy_cpus", ["any", "inherit", "first"])
+def test_the_copy_thread_leaves_the_binding_of_the_thread_that_builds_it(region_dir, copy_cpus):
+    """vLLM's CPU worker pins the thread that builds the handler to one core of the model's
+    OpenMP team: by default the copy thread may run on every CPU the process may use."""
+    import os
+    import threading
+
+    allowed = os.sched_getaffinity(0)
+    first = min(allowed)
+    caches = kv_caches([[(256, 256)]], 4, np.random.default_rng(3))
+    settings = kv.Settings(
+        num_blocks=4, region_path=str(region_dir / "r"), block_bytes_per_worker=256,
+        copy_cpus=str(first) if copy_cpus == "first" else copy_cpus,
+    )
+    built: dict = {}
+
+    def build_pinned() -> None:  # as vLLM's worker thread: bound to one core
+        os.sched_setaffinity(0, {first})
+        built["worker"] = kv.KvtierOffloadingWorker(caches, settings)
+
+    t = threading.Thread(target=build_pinned)
+    t.start()
+    t.join()
+    try:
+        want = allowed if copy_cpus == "any" else {first}
+        assert _copy_thread_cpus() == want
+    finally:
+        built["worker"].shutdown()
+
+
+@pytest.mark.parametrize("bad", ["all", "3-1", "99999"])
+def test_a_bad_copy_cpus_is_refused(region_dir, bad):
+    caches = kv_caches([[(256, 256)]], 4, np.random.default_rng(4))
+    settings = kv.Settings(
+        num_blocks=4, region_path=str(region_dir / "r"), block_bytes_per_worker=256, copy_cpus=bad,
+    )
+    with pytest.raises(kvtier.ConfigError, match="copy_cpus: .* is not a CPU set"):
+        kv.KvtierOffloadingWorker(caches, settings)
+
+
+def test_copy_cpus_with_no_usable_cpu_is_refused(region_dir):
+    caches = kv_caches([[(256, 256)]], 4, np.random.default_rng(5))
+    settings = kv.Settings(
+        num_blocks=4, region_path=str(region_dir / "r"), block_bytes_per_worker=256,
+        copy_cpus="1023",
+    )
+    with pytest.raises(kvtier.ConfigError, match=r"copy_cpus: cannot run a thread on CPUs \[1023\]"):
+        kv.KvtierOffloadingWorker(caches, settings)

@@ -238,6 +238,13 @@ def _page_align(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+def _str_setting(extra: Mapping[str, Any], key: str, default: str) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str):
+        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not a string")
+    return value
+
+
 def _int_setting(extra: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int:
     value = extra.get(key, default)
     if value is None:
@@ -295,7 +302,7 @@ class Settings:
     ``{"type": "redis", "urls", "capacity_bytes", "cluster"?, "namespace"?, "timeout_ms"?,
     "ttl_s"?, "username_env"?, "password_env"?, "tls"?, "tls_ca_file"?, "eviction_policy"?}``),
     ``region_dir`` (none: an anonymous region), ``io_threads`` (4), ``shutdown_timeout_s``
-    (30), ``attach_timeout_s`` (60).
+    (30), ``attach_timeout_s`` (60), ``copy_cpus`` (``"any"``).
 
     ``region_path`` names the shared region: ``@NAME`` for an anonymous one (memory with no
     file, which the ranks receive from the scheduler process and the kernel frees once every
@@ -319,6 +326,10 @@ class Settings:
     io_threads: int = 4
     shutdown_timeout_s: float = 30.0
     attach_timeout_s: float = 60.0
+    #: Where each rank's copy thread runs: ``"any"`` CPU the process may use, ``"inherit"``
+    #: the binding of the engine thread that builds the handler (vLLM's CPU worker pins it to
+    #: one core of the model's OpenMP team), or a CPU list such as ``"2,4-7"``.
+    copy_cpus: str = "any"
     #: Pipeline stages of the engine (vLLM's ``pp_size``): how many scheduler steps may run
     #: ahead of the workers, which bounds the reset fence where vLLM does not end it.
     pipeline_stages: int = 1
@@ -440,6 +451,7 @@ class Settings:
             io_threads=_int_setting(extra, "io_threads", 4, 1),
             shutdown_timeout_s=_float_setting(extra, "shutdown_timeout_s", 30.0),
             attach_timeout_s=_float_setting(extra, "attach_timeout_s", 60.0),
+            copy_cpus=_str_setting(extra, "copy_cpus", "any"),
             kv_cache_size_tokens=_kv_cache_size_tokens(config, num_blocks),
         )
 
@@ -796,6 +808,7 @@ class KvtierOffloadingWorker(_base.OffloadingWorker):
             groups=groups,
             blocks_per_chunk=settings.blocks_per_chunk,
             attach_timeout_s=settings.attach_timeout_s,
+            copy_cpus=settings.copy_cpus,
             device=self._device,
             # Held by the handler until its copies have stopped.
             tensors=keep,
