@@ -1,7 +1,7 @@
 """Time to first token of a returning prompt, through a real vLLM engine (``vllm.LLM``).
 
-Three engines run side by side, one subprocess each, on the same model and the same device
-KV cache, which holds one prompt and a little more:
+The engines run side by side, one subprocess each, on the same model, the same device KV
+cache, which holds one prompt and a little more, and the same OpenMP team (``--omp-cpus``):
 
 - ``recompute``: no offloading; a returning prompt is prefilled again.
 - ``primary``: kvtier with a primary tier large enough to keep several prompts; a returning
@@ -9,6 +9,8 @@ KV cache, which holds one prompt and a little more:
 - ``file``: kvtier with a primary of about one prompt and a file tier below it; a returning
   prompt's blocks were evicted from the primary to the file tier, are promoted back (read
   with ``O_DIRECT``) and then loaded.
+- ``primary-inherit`` (only when named in ``--configs``): ``primary`` with the copy thread
+  left on the core of the engine thread that built it (``copy_cpus: "inherit"``).
 
 A prompt is 4,096 tokens and 31 more (``--blocks 128`` full blocks of 32): with its first
 token it fills the device cache, so the next prompt evicts every block of it, and a hit,
@@ -33,7 +35,8 @@ random Llama made in ``--cache-dir`` (``py/e2e/tiny_model.py``).
 
 Usage (in a Python with vLLM and kvtier installed)::
 
-    python py/bench/ttft.py [--reps 5] [--json out.json]
+    python py/bench/ttft.py [--reps 5] [--configs recompute,primary,primary-inherit,file]
+        [--json out.json]
 """
 
 from __future__ import annotations
