@@ -17,8 +17,8 @@ log=$(mktemp)
 site=$(mktemp -d)
 trap 'rm -rf "$log" "$site"' EXIT
 
-stateright() { # property name
-  KVTIER_PROPERTY="$1" cargo test --release "${features[@]}" -p kvtier-model --test stateright \
+stateright() { # property name [model: small or deadline]
+  KVTIER_PROPERTY="$1" KVTIER_MODEL="${2:-small}" cargo test --release "${features[@]}" -p kvtier-model --test stateright \
     one_property_until_first_counterexample -- --ignored --exact
 }
 differential() {
@@ -56,6 +56,7 @@ while IFS='|' read -r mutant checker expect; do
   export KVTIER_MUTANT="$mutant"
   case "$checker" in
     stateright:*) stateright "${checker#stateright:}" >"$log" 2>&1 ;;
+    deadline:*) stateright "${checker#deadline:}" deadline >"$log" 2>&1 ;;
     differential) differential >"$log" 2>&1 ;;
     corpus) corpus >"$log" 2>&1 ;;
     oracle) oracle >"$log" 2>&1 ;;
@@ -82,10 +83,12 @@ no_hit_protection|stateright:no transition breaks a rule|evicted its request's h
 stall_batches|stateright:every state settles|every state settles broken
 shared_delete|stateright:no transition breaks a rule|T14
 missing_is_failure|stateright:no transition breaks a rule|J6
+no_deadline|deadline:no transition breaks a rule|W3
 evict_pinned|differential|after op
 no_cooldown|differential|after op
 no_step_gate|differential|after op
 no_step_gate|corpus|after op
+no_deadline|differential|after op
 arc_no_fallback|oracle|prepare_store: core
 arc_no_fallback|walk|evictable
 skip_seal_check|pytest:test_multiprocess.py|unsealed

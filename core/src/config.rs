@@ -114,6 +114,10 @@ pub struct Config {
     /// Record [`Event`](crate::Event)s for `take_events`. Events accumulate until taken: turn
     /// this off when the engine does not consume them.
     pub events: bool,
+    /// ★9 (W1–W7): how long, in the units of [`Manager::set_clock`](crate::Manager::set_clock),
+    /// one request may be answered `HitPending` or `Retry` for one key before its lookups of
+    /// that key answer `Miss`. `None`: no deadline, as vLLM 0.33.
+    pub wait_deadline: Option<u64>,
 }
 
 impl Config {
@@ -127,6 +131,7 @@ impl Config {
             health: HealthConfig::default(),
             reuse: None,
             events: true,
+            wait_deadline: None,
         }
     }
 
@@ -185,6 +190,9 @@ impl Config {
         }
         if self.health.probe_interval_steps == 0 {
             return bad("health.probe_interval_steps", "must be at least 1");
+        }
+        if self.wait_deadline == Some(0) {
+            return bad("wait_deadline", "must be at least 1");
         }
         if let Some(r) = self.reuse {
             if r.store_threshold < 2 {

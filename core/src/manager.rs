@@ -165,6 +165,19 @@ pub struct Manager {
     closed: bool,
     /// M13: after `reset_cache`, secondary hits are not promoted until `reset_flushed`.
     promotions_held: bool,
+    /// W1: the latest time given to `set_clock`.
+    clock: u64,
+    /// W2–W6: per request, the keys it waits for (since a time) or gave up.
+    waits: BTreeMap<RequestId, BTreeMap<Key, Wait>>,
+}
+
+/// A request's wait for one block (★9).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wait {
+    /// Answered `HitPending` or `Retry` since this time (W2).
+    Since(u64),
+    /// Gave the block up at the deadline: `Miss` from then on (W3, W4).
+    GaveUp,
 }
 
 impl Manager {
@@ -210,6 +223,7 @@ impl Manager {
                 misses: 0,
                 retries: 0,
                 hits_pending: 0,
+                wait_timeouts: 0,
                 stores_skipped: 0,
                 promotions_started: 0,
                 promotions_succeeded: 0,
@@ -224,6 +238,8 @@ impl Manager {
             },
             closed: false,
             promotions_held: false,
+            clock: 0,
+            waits: BTreeMap::new(),
             config,
         })
     }
@@ -288,12 +304,44 @@ impl Manager {
 
     // ----- inputs from the engine -------------------------------------------------------
 
-    /// M2–M4: look up one block for `req`.
+    /// W1: the time, in the units of [`Config::wait_deadline`] (the driver and the Python
+    /// package use milliseconds of a monotonic clock). It never goes back: a smaller `now`
+    /// changes nothing.
+    pub fn set_clock(&mut self, now: u64) {
+        self.clock = self.clock.max(now);
+    }
+
+    /// The latest time given to [`set_clock`](Self::set_clock).
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// M2–M4, M16: look up one block for `req`.
     pub fn lookup(&mut self, req: RequestId, key: &Key) -> Lookup {
         self.collect_once();
         self.stats.lookups += 1;
-        let answer = match self.primary.lookup_slot(key) {
-            (Lookup::Hit, _) => {
+        let wait = self.wait_of(req, key);
+        let in_primary = self.primary.lookup_slot(key).0;
+        let ready = in_primary == Lookup::Hit;
+        let given_up = match wait {
+            Some(Wait::GaveUp) => true, // W4
+            Some(Wait::Since(t)) if !ready => {
+                // W3: the deadline is set, or no wait would have been kept (W7).
+                let deadline = self.config.wait_deadline.unwrap_or(u64::MAX);
+                let expired = self.clock.saturating_sub(t) >= deadline;
+                if expired && !crate::mutant::active("no_deadline") {
+                    self.stats.wait_timeouts += 1;
+                    tracing::debug!(%req, %key, since = t, clock = self.clock, "gave up waiting");
+                    true
+                } else {
+                    false
+                }
+            }
+            _ => false,
+        };
+        let answer = match in_primary {
+            _ if given_up => Lookup::Miss,
+            Lookup::Hit => {
                 self.stats.hits += 1;
                 // ★8's protection is only for promotions, which need a tier.
                 if !self.tiers.is_empty() {
@@ -301,9 +349,12 @@ impl Manager {
                 }
                 Lookup::Hit
             }
-            (Lookup::Miss, _) => self.lookup_tiers(req, key),
-            (other, _) => other, // M3: HitPending
+            Lookup::Miss => self.lookup_tiers(req, key),
+            other => other, // M3: HitPending
         };
+        if self.config.wait_deadline.is_some() {
+            self.note_wait(req, key, wait, given_up, answer);
+        }
         match answer {
             Lookup::Miss => self.stats.misses += 1,
             Lookup::Retry => self.stats.retries += 1,
@@ -403,6 +454,44 @@ impl Manager {
         Lookup::HitPending
     }
 
+    fn wait_of(&self, req: RequestId, key: &Key) -> Option<Wait> {
+        self.waits.get(&req)?.get(key).copied()
+    }
+
+    /// W2–W5: the wait `req` keeps for `key` after a lookup answered `answer`.
+    fn note_wait(
+        &mut self,
+        req: RequestId,
+        key: &Key,
+        wait: Option<Wait>,
+        given_up: bool,
+        answer: Lookup,
+    ) {
+        let next = match (given_up, answer) {
+            (true, _) => Some(Wait::GaveUp),
+            (false, Lookup::HitPending | Lookup::Retry) => {
+                Some(wait.unwrap_or(Wait::Since(self.clock)))
+            }
+            (false, _) => None,
+        };
+        if next == wait {
+            return;
+        }
+        match next {
+            Some(w) => {
+                self.waits.entry(req).or_default().insert(key.clone(), w);
+            }
+            None => {
+                if let Some(keys) = self.waits.get_mut(&req) {
+                    keys.remove(key);
+                    if keys.is_empty() {
+                        self.waits.remove(&req);
+                    }
+                }
+            }
+        }
+    }
+
     /// R1: starts `req`'s record (optional: any call naming `req` starts it).
     pub fn new_request(&mut self, req: RequestId) {
         self.primary.new_request(req);
@@ -414,9 +503,11 @@ impl Manager {
         self.primary.set_position(req, key, end_token);
     }
 
-    /// R6: `req` finished; its accesses set the recency of its blocks, head most recent.
+    /// R6, W6: `req` finished; its accesses set the recency of its blocks, head most recent,
+    /// and its waits are forgotten.
     pub fn request_finished(&mut self, req: RequestId) {
         self.primary.request_finished(req);
+        self.waits.remove(&req);
         self.debug_check();
     }
 
@@ -605,6 +696,7 @@ impl Manager {
             }
         }
         self.primary.reset();
+        self.waits.clear(); // W6
         self.stats.load_pins = 0;
         self.collected = false; // vLLM reopens its once-per-step poll
         self.promotions_held = !self.tiers.is_empty();
@@ -750,6 +842,7 @@ impl Manager {
         for t in &mut self.tiers {
             t.health = HealthState::Closed;
         }
+        self.waits.clear(); // W6
         self.closed = true;
         tracing::debug!("shutdown");
         self.debug_check();
@@ -973,9 +1066,10 @@ impl Manager {
 
     /// An encoding of every behaviour-relevant part of the state, for model checkers that
     /// deduplicate states: job ids are renamed by rank, times are relative to the current step,
-    /// tier entries and ghosts are named by key, and the counters of [`Stats`] are left out.
-    /// Two managers of one configuration with equal encodings answer every future sequence of
-    /// calls alike, up to a constant offset of job ids and steps.
+    /// waits are their age on the clock (ages at or past the deadline alike), tier entries and
+    /// ghosts are named by key, and the counters of [`Stats`] are left out. Two managers of one
+    /// configuration with equal encodings answer every future sequence of calls alike, up to a
+    /// constant offset of job ids, steps and clock.
     pub fn canonical_state(&self) -> alloc::string::String {
         use core::fmt::Write;
         let ids: Vec<JobId> = self.jobs.keys().copied().collect();
@@ -1032,6 +1126,21 @@ impl Manager {
                 let _ = write!(out, " cool{}:{k}+{}", t.0, until - step);
             }
         }
+        // W3 compares a wait's age with the deadline: ages beyond it are all alike.
+        let deadline = self.config.wait_deadline.unwrap_or(0);
+        for (req, keys) in &self.waits {
+            for (key, w) in keys {
+                match w {
+                    Wait::Since(t) => {
+                        let age = self.clock.saturating_sub(*t).min(deadline);
+                        let _ = write!(out, " wait{req}:{key}+{age}");
+                    }
+                    Wait::GaveUp => {
+                        let _ = write!(out, " gaveup{req}:{key}");
+                    }
+                }
+            }
+        }
         let _ = write!(
             out,
             " collected={} closed={} held={} effects={:?} events={:?}",
@@ -1048,7 +1157,7 @@ impl Manager {
         }
     }
 
-    /// Checks every invariant of `docs/state-machine.md` (I1–I10); returns the first violated.
+    /// Checks every invariant of `docs/state-machine.md` (I1–I12); returns the first violated.
     pub fn check_invariants(&self) -> Result<(), Violation> {
         self.primary.check_invariants()?;
         // Pins and Promoting slots claimed by jobs and batches.
@@ -1234,6 +1343,29 @@ impl Manager {
                 tier.health,
                 health_jobs.get(&t)
             );
+        }
+        // I12: waits only with a deadline, none begun after the clock, no empty record.
+        ensure!(
+            self.waits.is_empty() || self.config.wait_deadline.is_some(),
+            "I12",
+            "waits kept without a wait_deadline"
+        );
+        for (req, keys) in &self.waits {
+            ensure!(
+                !keys.is_empty(),
+                "I12",
+                "request {req} keeps an empty wait record"
+            );
+            for (key, w) in keys {
+                if let Wait::Since(t) = w {
+                    ensure!(
+                        *t <= self.clock,
+                        "I12",
+                        "request {req} waits for {key} since {t}, after the clock {}",
+                        self.clock
+                    );
+                }
+            }
         }
         Ok(())
     }

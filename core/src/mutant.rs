@@ -26,6 +26,7 @@ pub const NAMES: &[&str] = &[
     "no_store_positions",
     "shared_delete",
     "missing_is_failure",
+    "no_deadline",
 ];
 
 /// Whether the seeded defect `name` is switched on in this process: always `false` unless

@@ -74,6 +74,9 @@ pub struct Stats {
     /// Lookups answered HitPending (a store or promotion in flight, including the lookups
     /// that started a promotion).
     pub hits_pending: u64,
+    /// Lookups that stopped waiting for a block at the deadline and answered Miss (W3): the
+    /// engine computed the block instead.
+    pub wait_timeouts: u64,
     /// Offered keys the reuse filter left out of stores.
     pub stores_skipped: u64,
     /// Promotions started.

@@ -94,6 +94,8 @@ pub struct Driver {
     /// Per tier, what ended since the last [`take_tier_metrics`](Self::take_tier_metrics).
     tallies: Vec<TierTally>,
     closed: bool,
+    /// The core's clock (W1) is the milliseconds since this instant.
+    started: Instant,
 }
 
 impl std::fmt::Debug for Driver {
@@ -204,6 +206,7 @@ impl Driver {
             metrics: IoMetrics::default(),
             tallies,
             closed: false,
+            started: Instant::now(),
         })
     }
 
@@ -260,9 +263,12 @@ impl Driver {
     }
 
     /// Looks up one block for `req` (M2–M4); a promotion or probe it starts is submitted at
-    /// the end of the step.
+    /// the end of the step. The core's clock is first set to the milliseconds since the
+    /// driver started, so that [`Config::wait_deadline`] counts milliseconds (★9).
     pub fn lookup(&mut self, req: RequestId, key: &Key) -> Lookup {
         self.poll();
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.manager.set_clock(now);
         let answer = self.manager.lookup(req, key);
         self.pump();
         answer

@@ -28,6 +28,9 @@ pub struct Faults {
     pub put_delay: Option<Duration>,
     /// Every `put` and `get` panics (a bug in a store): the job must still end, as failed.
     pub panic: bool,
+    /// Every `get` blocks until this is cleared (a frozen network mount, a stuck disk, a
+    /// stopped server): the read then goes on as if nothing happened.
+    pub hang_gets: bool,
 }
 
 /// Counts of what the wrapper did.
@@ -41,6 +44,8 @@ pub struct FaultCounts {
     pub puts_begun: u64,
     /// Blocks read through.
     pub gets: u64,
+    /// `get` calls begun (counted on entry, before any hang).
+    pub gets_begun: u64,
 }
 
 #[derive(Default)]
@@ -142,6 +147,10 @@ impl SecondaryStore for FaultyStore {
     }
 
     fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError> {
+        lock(&self.control).counts.gets_begun += 1;
+        while lock(&self.control).faults.hang_gets {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let faults = lock(&self.control).faults.clone();
         assert!(!faults.panic, "injected panic in get of {key}");
         if faults.fail_gets {

@@ -4,10 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_core::{Config, Key, Lookup, RequestId, TierConfig, TierKind};
+use kvtier_core::{Config, Key, Lookup, RequestId, SlotId, TierConfig, TierKind};
 use kvtier_hw::{
-    Completion, Completions, CopyJob, Driver, DriverOptions, EngineError, Faults, FaultyStore,
-    FileStore, HwError, Layout, PAGE, Region, SecondaryStore, TierMetrics, TransferEngine,
+    Completion, Completions, CopyJob, Driver, DriverOptions, EngineError, FaultHandle, Faults,
+    FaultyStore, FileStore, HwError, Layout, PAGE, Region, SecondaryStore, TierMetrics,
+    TransferEngine,
 };
 
 /// An engine that holds jobs until three are queued, then completes them all, newest first
@@ -148,16 +149,21 @@ fn kept_results_must_keep_one() {
     assert!(err.to_string().contains("kept_results"), "{err}");
 }
 
-/// `take_tier_metrics`: gauges as they are, counters since the previous take (zero when
-/// nothing happened), and a read that fails verification counted as such, with its
-/// promotion's latency marked failed.
-#[test]
-fn tier_metrics_are_increments_since_the_last_take() {
-    let dir = tempfile::tempdir().unwrap();
+/// A driver of 8 one-page slots over the scripted [`Immediate`] engine, with one file tier of
+/// 16 blocks behind a [`FaultyStore`]; `dir` holds the region and the tier.
+struct FaultyTier {
+    driver: Driver,
+    region: Arc<Region>,
+    faults: FaultHandle,
+    capacity: u32,
+    layout: Layout,
+}
+
+fn faulty_tier(dir: &std::path::Path, wait_deadline: Option<u64>) -> FaultyTier {
     let layout = Layout::new(8, 1, PAGE).unwrap();
     let row = layout.row_bytes() as u64;
-    let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
-    let file = FileStore::open(&dir.path().join("tier"), layout.row_bytes(), 16 * row).unwrap();
+    let region = Arc::new(Region::create(&dir.join("region"), layout, 1).unwrap());
+    let file = FileStore::open(&dir.join("tier"), layout.row_bytes(), 16 * row).unwrap();
     let store = FaultyStore::new(Arc::new(file));
     let faults = store.faults();
     let capacity = store.capacity_blocks();
@@ -165,15 +171,39 @@ fn tier_metrics_are_increments_since_the_last_take() {
     config
         .tiers
         .push(TierConfig::new(TierKind::Authoritative, capacity));
+    config.wait_deadline = wait_deadline;
     let stores: Vec<Arc<dyn SecondaryStore>> = vec![Arc::new(store)];
-    let mut driver = Driver::new(
+    let driver = Driver::new(
         config,
-        region,
+        region.clone(),
         Box::new(Immediate),
         stores,
         DriverOptions::default(),
     )
     .unwrap();
+    FaultyTier {
+        driver,
+        region,
+        faults,
+        capacity,
+        layout,
+    }
+}
+
+/// `take_tier_metrics`: gauges as they are, counters since the previous take (zero when
+/// nothing happened), and a read that fails verification counted as such, with its
+/// promotion's latency marked failed.
+#[test]
+fn tier_metrics_are_increments_since_the_last_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let FaultyTier {
+        mut driver,
+        faults,
+        capacity,
+        layout,
+        ..
+    } = faulty_tier(dir.path(), None);
+    let row = layout.row_bytes() as u64;
     let quiet = |blocks| TierMetrics {
         capacity_blocks: u64::from(capacity),
         blocks,
@@ -230,5 +260,95 @@ fn tier_metrics_are_increments_since_the_last_take() {
         "{:?}",
         m.promotion_latencies
     );
+    driver.shutdown();
+}
+
+/// ★9 (W3, W4) through the driver: a tier whose reads hang holds a returning request for the
+/// wait deadline (milliseconds on the driver's clock), then the request computes the block;
+/// once the tier wakes up, its read ends in exactly one result, the block is served to a new
+/// request, and nothing is left pinned or in flight.
+#[test]
+fn a_hung_tier_holds_a_request_only_until_the_wait_deadline() {
+    const DEADLINE_MS: u64 = 200;
+    let dir = tempfile::tempdir().unwrap();
+    let FaultyTier {
+        mut driver,
+        region,
+        faults,
+        layout,
+        ..
+    } = faulty_tier(dir.path(), Some(DEADLINE_MS));
+    let key = Key::new(b"returning");
+    // The engine's copy (the scripted engine copies nothing): the block's bytes in the slot
+    // its store takes, the first fresh one.
+    region
+        .write_part(SlotId(0), 0, 0, &vec![0x5a; layout.sub_slot_bytes()])
+        .unwrap();
+    driver
+        .store(RequestId(1), &[(key.clone(), 0)])
+        .unwrap()
+        .unwrap();
+    driver.settle(16);
+    // The primary forgets the block; only the tier has it, and the tier's reads hang.
+    driver.reset_cache(Duration::from_secs(10)).unwrap();
+    driver.reset_flushed();
+    faults.set(Faults {
+        hang_gets: true,
+        ..Faults::default()
+    });
+
+    let waiting = RequestId(2);
+    let started = std::time::Instant::now();
+    let mut answers = Vec::new();
+    let gave_up = loop {
+        let answer = driver.lookup(waiting, &key);
+        answers.push(answer);
+        if answer == Lookup::Miss {
+            break started.elapsed();
+        }
+        assert_eq!(answer, Lookup::HitPending, "{answers:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "still held after a minute: {} lookups",
+            answers.len()
+        );
+        driver.end_step();
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(gave_up >= Duration::from_millis(DEADLINE_MS), "{gave_up:?}");
+    assert!(
+        faults.counts().gets_begun >= 1,
+        "the read was started and hangs"
+    );
+    let stats = driver.manager().stats();
+    assert_eq!((stats.wait_timeouts, stats.promotions_succeeded), (1, 0));
+    // W4: the request that gave up keeps computing the block.
+    assert_eq!(driver.lookup(waiting, &key), Lookup::Miss);
+
+    // The tier wakes up: the read ends once, and the block is Ready for a new request.
+    faults.set(Faults::default());
+    driver.settle(16);
+    let stats = driver.manager().stats();
+    assert_eq!(
+        (
+            stats.promotions_succeeded,
+            stats.jobs_outstanding,
+            stats.load_pins,
+            stats.job_pins
+        ),
+        (1, 0, 0, 0)
+    );
+    assert_eq!(driver.lookup(RequestId(3), &key), Lookup::Hit);
+    assert_eq!(
+        driver.lookup(waiting, &key),
+        Lookup::Miss,
+        "W4 until it finishes"
+    );
+    driver.request_finished(waiting);
+    assert_eq!(driver.lookup(waiting, &key), Lookup::Hit);
+    let (slot, _) = driver.manager().primary().state_of(&key).unwrap();
+    let mut promoted = vec![0u8; layout.sub_slot_bytes()];
+    region.read_part(slot, 0, 0, &mut promoted).unwrap();
+    assert!(promoted.iter().all(|&x| x == 0x5a), "the promoted bytes");
     driver.shutdown();
 }

@@ -40,6 +40,9 @@ pub struct TieringModel {
     pub loads: bool,
     /// Include `shutdown`.
     pub shutdown: bool,
+    /// ★9: the clock moves (`Tick`), and a request's record lasts across its lookups until
+    /// its `Finish`, so that it can wait past `config.wait_deadline` (which must be set).
+    pub deadline: bool,
     /// Check only the property of this name (the negative tests: each property alone must
     /// catch its seeded defect).
     pub only: Option<&'static str>,
@@ -69,6 +72,20 @@ impl TieringModel {
         m
     }
 
+    /// ★9 (W1–W7): as [`TieringModel::ci`] with a shared second tier (a key it has not
+    /// probed yet answers `Retry`), a wait deadline of 2 ticks, the clock's ticks and the end
+    /// of a request as actions. Explored in CI to a depth bound.
+    pub fn ci_deadline() -> Self {
+        let mut m = Self::small();
+        m.touch = false;
+        m.failed_stores = false;
+        m.loads = false;
+        m.shutdown = false;
+        m.config.wait_deadline = Some(2);
+        m.deadline = true;
+        m
+    }
+
     /// The larger configuration: as [`TieringModel::ci`] with a shared second tier (existence
     /// probes, cached absent answers) and every action: touches, failed stores, the engine's
     /// load pins, shutdown. Its closure is beyond a CI run; it is explored to a depth bound.
@@ -94,6 +111,7 @@ impl TieringModel {
             failed_stores: true,
             loads: true,
             shutdown: true,
+            deadline: false,
             only: None,
         }
     }
@@ -108,6 +126,9 @@ pub struct ModelState {
     written: BTreeMap<SlotId, Key>,
     /// Hits answered in this step, per request (★8: never evicted by its own promotion).
     hits: BTreeSet<(RequestId, Key)>,
+    /// ★9, from the answers seen: since when a request has been answered HitPending or
+    /// Retry for a key, or `None` once it was answered Miss at the deadline.
+    waits: BTreeMap<(RequestId, Key), Option<u64>>,
     /// The results handed in and not yet applied: per job, its tier and whether it counts as
     /// a failed job (J6: a block the shared store no longer holds is no failure). Derived
     /// from the core's inbox, which is part of the canonical state.
@@ -123,6 +144,7 @@ impl ModelState {
             core,
             written: BTreeMap::new(),
             hits: BTreeSet::new(),
+            waits: BTreeMap::new(),
             failing: BTreeMap::new(),
             violation: None,
             canon: String::new(),
@@ -137,7 +159,19 @@ impl ModelState {
         // adds information, so neither is part of the identity of a state.
         self.written
             .retain(|slot, k| self.core.primary().key_at(*slot) == Some(k));
-        self.canon = format!("{} | {:?}", self.core.canonical_state(), self.violation);
+        // Waits by age, ages at or past the deadline alike (as the core's own encoding).
+        let deadline = self.core.config().wait_deadline.unwrap_or(0);
+        let clock = self.core.clock();
+        let waits: Vec<_> = self
+            .waits
+            .iter()
+            .map(|(rk, w)| (rk, w.map(|t| (clock - t).min(deadline))))
+            .collect();
+        self.canon = format!(
+            "{} | {waits:?} | {:?}",
+            self.core.canonical_state(),
+            self.violation
+        );
     }
 
     /// Jobs the IO layer owes a result: outstanding and not yet reported.
@@ -198,6 +232,10 @@ pub enum Action {
     BadUnload(u8),
     /// `shutdown`.
     Shutdown,
+    /// The clock moves by one (W1).
+    Tick,
+    /// `request_finished(request)` (W6).
+    Finish(u8),
 }
 
 fn key(k: u8) -> Key {
@@ -205,6 +243,16 @@ fn key(k: u8) -> Key {
 }
 
 impl TieringModel {
+    /// The request of the engine's stores and loads: request 0, or with the deadline one of
+    /// its own, so that a store does not end the waits of the requests that look blocks up.
+    fn writer(&self) -> RequestId {
+        RequestId(if self.deadline {
+            u64::from(self.requests)
+        } else {
+            0
+        })
+    }
+
     fn apply(&self, s: &ModelState, action: &Action) -> ModelState {
         let mut n = s.clone();
         n.violation = None;
@@ -223,7 +271,42 @@ impl TieringModel {
         match action {
             Action::Lookup(r, k) => {
                 let (req, k) = (RequestId(u64::from(*r)), key(*k));
+                // W3, W4: a request that waited for the block past the deadline (or gave it
+                // up) is answered Miss, unless the block is readable now (W3 only).
+                let expired = match n.waits.get(&(req, k.clone())) {
+                    Some(None) => Some("W4"),
+                    Some(Some(since)) => {
+                        let deadline = self.config.wait_deadline.expect("waits need a deadline");
+                        let ready = matches!(
+                            before.primary().state_of(&k),
+                            Some((_, BlockState::Ready { .. }))
+                        );
+                        (!ready && before.clock() - since >= deadline).then_some("W3")
+                    }
+                    None => None,
+                };
                 let answer = m.lookup(req, &k);
+                if let Some(rule) = expired
+                    && answer != Lookup::Miss
+                {
+                    n.violation = Some(format!(
+                        "{rule}: {req} waited for {k} past the deadline and was answered {answer:?}"
+                    ));
+                }
+                if self.deadline {
+                    match (expired, answer) {
+                        (Some(_), _) => {
+                            n.waits.insert((req, k.clone()), None);
+                        }
+                        (None, Lookup::HitPending | Lookup::Retry) => {
+                            let now = m.clock();
+                            n.waits.entry((req, k.clone())).or_insert(Some(now));
+                        }
+                        (None, _) => {
+                            n.waits.remove(&(req, k.clone()));
+                        }
+                    }
+                }
                 if answer == Lookup::Hit {
                     let (slot, _) = m.primary().state_of(&k).expect("hit is held");
                     if n.written.get(&slot) != Some(&k) {
@@ -233,12 +316,21 @@ impl TieringModel {
                 }
                 // Each engine call is a whole request (R1–R6): no record outlives an action,
                 // so the state space stays that of the blocks. The ★8 protection of the
-                // step's hits is the manager's, kept until the step ends.
+                // step's hits is the manager's, kept until the step ends. With the deadline,
+                // a request lasts until its Finish.
+                if !self.deadline {
+                    m.request_finished(req);
+                }
+            }
+            Action::Tick => m.set_clock(m.clock() + 1),
+            Action::Finish(r) => {
+                let req = RequestId(u64::from(*r));
                 m.request_finished(req);
+                n.waits.retain(|(q, _), _| *q != req);
             }
             Action::Store(ks, ok) => {
                 let ks: Vec<Key> = ks.iter().map(|&k| key(k)).collect();
-                if let Ok(p) = m.prepare_store(RequestId(0), &ks) {
+                if let Ok(p) = m.prepare_store(self.writer(), &ks) {
                     for (k, slot) in p.keys.iter().zip(&p.slots) {
                         // The engine copies the block in; a failed copy leaves garbage.
                         if *ok {
@@ -247,13 +339,13 @@ impl TieringModel {
                             n.written.remove(slot);
                         }
                     }
-                    m.complete_store(RequestId(0), &p.keys, *ok);
+                    m.complete_store(self.writer(), &p.keys, *ok);
                 }
-                m.request_finished(RequestId(0));
+                m.request_finished(self.writer());
             }
             Action::Load(k) => {
-                let _ = m.prepare_load(RequestId(0), &[key(*k)]);
-                m.request_finished(RequestId(0));
+                let _ = m.prepare_load(self.writer(), &[key(*k)]);
+                m.request_finished(self.writer());
             }
             Action::Unload(k) => {
                 if m.complete_load(&[key(*k)]).is_err() {
@@ -312,7 +404,10 @@ impl TieringModel {
                     n.violation = Some("a refused complete_load changed the state".into());
                 }
             }
-            Action::Shutdown => m.shutdown(),
+            Action::Shutdown => {
+                m.shutdown();
+                n.waits.clear();
+            }
         }
         // Drain the IO layer's side: jobs are now owed; a deletion must name a tier only this
         // node writes (T14: a shared tier forgets what it evicts, others may be reading it).
@@ -510,6 +605,12 @@ impl Model for TieringModel {
             actions.push(Action::Store(vec![0, 1], true));
         }
         actions.push(Action::EndStep);
+        if self.deadline {
+            actions.push(Action::Tick);
+            for r in 0..self.requests {
+                actions.push(Action::Finish(r));
+            }
+        }
         if self.shutdown && !s.core.is_closed() {
             actions.push(Action::Shutdown);
         }
@@ -541,7 +642,7 @@ impl Model for TieringModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        let all = vec![
+        let mut all = vec![
             Property::always("invariants hold", |_, s: &ModelState| {
                 s.core.check_invariants().is_ok()
             }),
@@ -561,6 +662,12 @@ impl Model for TieringModel {
                 s.core.stats().tiers.iter().any(|(_, t)| t.came_up > 0)
             }),
         ];
+        if self.deadline {
+            all.push(Property::sometimes(
+                "a request gives up waiting",
+                |_, s: &ModelState| s.core.stats().wait_timeouts > 0,
+            ));
+        }
         match self.only {
             Some(name) => all.into_iter().filter(|p| p.name == name).collect(),
             None => all,

@@ -236,6 +236,11 @@ impl Harness {
                 core.end_step();
                 model.end_step();
             }
+            Op::Clock { advance } => {
+                let now = core.clock() + u64::from(*advance);
+                core.set_clock(now);
+                model.set_clock(now);
+            }
             Op::Finish { pick, how } => {
                 if !self.pending.is_empty() {
                     let job = self.pending.remove(usize::from(*pick) % self.pending.len());
@@ -388,6 +393,11 @@ impl Harness {
         let core_jobs: Vec<JobId> = self.core.outstanding_jobs().map(|j| j.id).collect();
         let model_jobs: Vec<JobId> = self.model.outstanding().map(|j| j.id).collect();
         compare("outstanding jobs", core_jobs, model_jobs)?;
+        compare(
+            "wait timeouts",
+            self.core.stats().wait_timeouts,
+            self.model.wait_timeouts(),
+        )?;
         Ok(())
     }
 

@@ -114,6 +114,11 @@ pub enum Op {
     },
     /// `end_step()`.
     EndStep,
+    /// `set_clock(clock + advance)` (rule W1).
+    Clock {
+        /// How far the clock moves (0..=3; a deadline is 2..=5).
+        advance: u8,
+    },
     /// End one outstanding job (picked by index among those not yet reported).
     Finish {
         /// Which job.
@@ -184,7 +189,10 @@ impl<'a> Arbitrary<'a> for Op {
             65..=74 => Op::PrepareLoad { keys: list(u)? },
             75..=84 => Op::CompleteLoad { keys: list(u)? },
             85..=94 => Op::Touch { keys: list(u)? },
-            95..=119 => Op::EndStep,
+            95..=114 => Op::EndStep,
+            115..=119 => Op::Clock {
+                advance: u.int_in_range(0..=3u8)?,
+            },
             120..=174 => Op::Finish {
                 pick: u8::arbitrary(u)?,
                 how: Finish::arbitrary(u)?,
@@ -250,6 +258,7 @@ impl Op {
             2 => key_list().prop_map(|keys| Op::CompleteLoad { keys }),
             2 => key_list().prop_map(|keys| Op::Touch { keys }),
             4 => Just(Op::EndStep),
+            2 => (0..=3u8).prop_map(|advance| Op::Clock { advance }),
             6 => (any::<u8>(), finish()).prop_map(|(pick, how)| Op::Finish { pick, how }),
             1 => (0..2u8).prop_map(|tier| Op::TierDown { tier }),
             1 => (0..2u8, key_list()).prop_map(|(tier, keys)| Op::Restore { tier, keys }),
@@ -266,7 +275,8 @@ impl Op {
 /// eviction, back-pressure, health and cooldowns all happen within a few dozen ops.
 #[derive(Arbitrary, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConfigChoice {
-    /// Primary slots (1..=4) and policy (bits 2 and 3).
+    /// Primary slots (1..=4), policy (bits 2 and 3), wait deadline (bits 4 to 6: none, or
+    /// 2..=5 on the clock of [`Op::Clock`]).
     pub primary: u8,
     /// Number of tiers (0..=2) and their kinds and policies.
     pub tiers: u8,
@@ -289,6 +299,10 @@ impl ConfigChoice {
         };
         let mut c = Config::new(1 + u32::from(self.primary % 4));
         c.policy = policy(self.primary >> 2);
+        c.wait_deadline = match (self.primary >> 4) & 3 {
+            0 => None,
+            d => Some(1 + u64::from(d) + u64::from((self.primary >> 6) & 1)),
+        };
         let n_tiers = self.tiers % 3;
         for i in 0..n_tiers {
             let bits = self.tiers >> (2 + 3 * i);

@@ -830,6 +830,12 @@ pub struct RefModel {
     batches: Vec<Batch>,
     cooldown: BTreeMap<(TierId, Key), u64>,
     closed: bool,
+    /// W1: the clock.
+    clock: u64,
+    /// ★9: (request, key, since): a request answered HitPending or Retry for the key since
+    /// that time, or (`None`) one that gave the key up.
+    waiting: Vec<(RequestId, Key, Option<u64>)>,
+    wait_timeouts: u64,
 }
 
 impl RefModel {
@@ -873,8 +879,23 @@ impl RefModel {
             batches: Vec::new(),
             cooldown: BTreeMap::new(),
             closed: false,
+            clock: 0,
+            waiting: Vec::new(),
+            wait_timeouts: 0,
             config,
         }
+    }
+
+    /// W1: the clock moves forward only.
+    pub fn set_clock(&mut self, now: u64) {
+        if now > self.clock {
+            self.clock = now;
+        }
+    }
+
+    /// Lookups that gave up waiting (W3).
+    pub fn wait_timeouts(&self) -> u64 {
+        self.wait_timeouts
     }
 
     /// Jobs submitted and not yet ended, by id.
@@ -941,8 +962,10 @@ impl RefModel {
         self.record(req).positions.insert(key.clone(), end_token);
     }
 
-    /// R6, R7: the request's keys go to the policy and its record is dropped.
+    /// R6, R7: the request's keys go to the policy and its record is dropped; W6: its waits
+    /// are forgotten.
     pub fn request_finished(&mut self, req: RequestId) {
+        self.waiting.retain(|(r, _, _)| *r != req);
         if let Some(i) = self.records.iter().position(|(r, _)| *r == req) {
             let (_, record) = self.records.remove(i);
             self.recency.finish(&record);
@@ -1102,11 +1125,49 @@ impl RefModel {
         }
     }
 
-    /// M2–M4.
+    /// M2–M4, with W2–W5 around them when a deadline is set.
     pub fn lookup(&mut self, req: RequestId, key: &Key) -> Lookup {
         if !self.collected {
             self.collect();
         }
+        let Some(deadline) = self.config.wait_deadline else {
+            return self.answer(req, key); // W7
+        };
+        let found = self
+            .waiting
+            .iter()
+            .position(|(r, k, _)| *r == req && k == key);
+        if let Some(i) = found {
+            let ready = self
+                .blocks
+                .get(key)
+                .is_some_and(|b| b.state == State::Ready);
+            match self.waiting[i].2 {
+                None => return Lookup::Miss, // W4
+                Some(since) if !ready && self.clock - since >= deadline => {
+                    self.waiting[i].2 = None; // W3
+                    self.wait_timeouts += 1;
+                    return Lookup::Miss;
+                }
+                Some(_) => {}
+            }
+        }
+        let answer = self.answer(req, key);
+        match (answer, found) {
+            (Lookup::HitPending | Lookup::Retry, None) => {
+                self.waiting.push((req, key.clone(), Some(self.clock))); // W2
+            }
+            (Lookup::HitPending | Lookup::Retry, Some(_)) => {}
+            (_, Some(i)) => {
+                self.waiting.remove(i); // W5
+            }
+            (_, None) => {}
+        }
+        answer
+    }
+
+    /// M2–M4: the answer without the deadline.
+    fn answer(&mut self, req: RequestId, key: &Key) -> Lookup {
         if let Some(b) = self.blocks.get(key) {
             if b.state == State::Ready {
                 match self.hits.iter_mut().find(|(r, _)| *r == req) {
@@ -1530,6 +1591,7 @@ impl RefModel {
         if self.closed {
             return;
         }
+        self.waiting.clear(); // W6
         let mut failed_in = BTreeMap::new();
         for mut r in std::mem::take(&mut self.inbox) {
             // A closing tier caches no probe answer.

@@ -26,6 +26,28 @@ fn ci_configuration_is_checked_exhaustively() {
     assert_eq!(checker.unique_state_count(), CI_STATES);
 }
 
+/// Explores `model` breadth-first to `depth` on two threads, prints its figures under
+/// `label`, and requires that no `always` property is broken.
+fn explore_to_depth(model: TieringModel, depth: usize, label: &str) -> impl Checker<TieringModel> {
+    let started = std::time::Instant::now();
+    let checker = model
+        .checker()
+        .threads(2)
+        .target_max_depth(depth)
+        .spawn_bfs()
+        .join();
+    eprintln!(
+        "{label} to depth {depth}: {} unique states, {} generated, {:?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        started.elapsed()
+    );
+    checker.assert_no_discovery("invariants hold");
+    checker.assert_no_discovery("no transition breaks a rule");
+    checker.assert_no_discovery("every state settles");
+    checker
+}
+
 /// Depth of [`TieringModel::ci_reuse`]'s exploration in CI.
 const REUSE_DEPTH: usize = 11;
 
@@ -35,22 +57,22 @@ const REUSE_DEPTH: usize = 11;
     ignore = "minutes in a release build: scripts/test.sh runs it with --release"
 )]
 fn reuse_policy_configuration_to_a_depth_bound() {
-    let started = std::time::Instant::now();
-    let checker = TieringModel::ci_reuse()
-        .checker()
-        .threads(2)
-        .target_max_depth(REUSE_DEPTH)
-        .spawn_bfs()
-        .join();
-    eprintln!(
-        "reuse-aware LRU to depth {REUSE_DEPTH}: {} unique states, {} generated, {:?}",
-        checker.unique_state_count(),
-        checker.state_count(),
-        started.elapsed()
-    );
-    checker.assert_no_discovery("invariants hold");
-    checker.assert_no_discovery("no transition breaks a rule");
-    checker.assert_no_discovery("every state settles");
+    explore_to_depth(TieringModel::ci_reuse(), REUSE_DEPTH, "reuse-aware LRU");
+}
+
+/// Depth of [`TieringModel::ci_deadline`]'s exploration in CI.
+const DEADLINE_DEPTH: usize = 10;
+
+/// ★9: no request is held past the wait deadline (W3, W4), with hung jobs, probes that
+/// answer Retry, and the clock moving at any point.
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "minutes in a release build: scripts/test.sh runs it with --release"
+)]
+fn deadline_configuration_to_a_depth_bound() {
+    let checker = explore_to_depth(TieringModel::ci_deadline(), DEADLINE_DEPTH, "wait deadline");
+    checker.assert_any_discovery("a request gives up waiting");
 }
 
 /// The larger configuration (shared tier, every action) to a depth bound; figures in
@@ -59,33 +81,22 @@ fn reuse_policy_configuration_to_a_depth_bound() {
 #[test]
 #[ignore = "minutes; run by hand"]
 fn larger_configuration_to_depth_10() {
-    let started = std::time::Instant::now();
-    let checker = TieringModel::small()
-        .checker()
-        .threads(2)
-        .target_max_depth(10)
-        .spawn_bfs()
-        .join();
-    eprintln!(
-        "{} unique states, {} generated, {:?}",
-        checker.unique_state_count(),
-        checker.state_count(),
-        started.elapsed()
-    );
-    checker.assert_no_discovery("invariants hold");
-    checker.assert_no_discovery("no transition breaks a rule");
-    checker.assert_no_discovery("every state settles");
+    explore_to_depth(TieringModel::small(), 10, "the larger configuration");
 }
 
-/// For the negative tests (`scripts/mutants.sh`): explores [`TieringModel::small`] checking
-/// only the property named by `KVTIER_PROPERTY`, and stops at its first counterexample.
+/// For the negative tests (`scripts/mutants.sh`): explores [`TieringModel::small`] (or
+/// [`TieringModel::ci_deadline`] when `KVTIER_MODEL` is `deadline`) checking only the property
+/// named by `KVTIER_PROPERTY`, and stops at its first counterexample.
 #[test]
 #[ignore = "run by scripts/mutants.sh against a seeded defect"]
 fn one_property_until_first_counterexample() {
     let name: &'static str = std::env::var("KVTIER_PROPERTY")
         .expect("KVTIER_PROPERTY names a property")
         .leak();
-    let mut model = TieringModel::small();
+    let mut model = match std::env::var("KVTIER_MODEL").as_deref() {
+        Ok("deadline") => TieringModel::ci_deadline(),
+        _ => TieringModel::small(),
+    };
     model.only = Some(name);
     let checker = model
         .checker()

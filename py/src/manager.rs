@@ -473,7 +473,8 @@ impl Manager {
     #[pyo3(signature = (*, num_blocks, policy, region_path, block_bytes_per_worker, workers,
         answers, output_class, spec_class, request_class, chunk_level, tiers = Vec::new(), events = true, store_threshold = 0,
         max_tracker_size = 64_000, identity = String::new(), io_threads = 4,
-        shutdown_timeout_s = 30.0, prefault_threads = 4, verify_stores = false))]
+        shutdown_timeout_s = 30.0, prefault_threads = 4, verify_stores = false,
+        hit_pending_timeout_s = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -496,8 +497,20 @@ impl Manager {
         shutdown_timeout_s: f64,
         prefault_threads: usize,
         verify_stores: bool,
+        hit_pending_timeout_s: Option<f64>,
     ) -> PyResult<Self> {
         let mut config = Config::new(num_blocks);
+        // ★9: the driver's clock counts milliseconds; a deadline is at least one.
+        config.wait_deadline = match hit_pending_timeout_s {
+            None => None,
+            Some(s) if s > 0.0 && s.is_finite() => Some(((s * 1e3).ceil() as u64).max(1)),
+            Some(s) => {
+                return Err(errors::config(
+                    "hit_pending_timeout_s",
+                    format!("{s} is not a positive number of seconds (null: no deadline)"),
+                ));
+            }
+        };
         config.policy = parse_policy("eviction_policy", policy)?;
         config.events = events;
         if store_threshold >= 2 {
@@ -1100,6 +1113,7 @@ impl Manager {
         d.set_item("lookups", s.lookups)?;
         d.set_item("hits", s.hits)?;
         d.set_item("hits_pending", s.hits_pending)?;
+        d.set_item("wait_timeouts", s.wait_timeouts)?;
         d.set_item("misses", s.misses)?;
         d.set_item("retries", s.retries)?;
         d.set_item("evictions", s.evictions)?;

@@ -54,9 +54,16 @@ def region_dir(tmp_path):
 
 
 @pytest.fixture
-def redis_url(tmp_path):
-    """A redis-server of its own on a free loopback port (``scripts/redis-setup.sh`` installs
-    it); without one the test is skipped loudly, except under ``CI=true``, where it fails."""
+def redis_url(redis_server):
+    """The URL of a redis-server of its own (``redis_server``)."""
+    return redis_server[0]
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A redis-server of its own on a free loopback port, as ``(url, process)``
+    (``scripts/redis-setup.sh`` installs it); without one the test is skipped loudly, except
+    under ``CI=true``, where it fails."""
     import shutil
     import socket
     import subprocess
@@ -91,7 +98,7 @@ def redis_url(tmp_path):
     else:
         pytest.fail("redis-server did not start")
     try:
-        yield f"redis://127.0.0.1:{port}"
+        yield f"redis://127.0.0.1:{port}", proc
     finally:
         proc.kill()
         proc.wait()

@@ -178,6 +178,9 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
         ({"secondary_tiers": [{"type": "file", "path": "P", "capacity_bytes": 1 << 30, "size": 3}]}, "secondary_tiers[0].size"),
         ({"store_threshold": -1}, "store_threshold"),
         ({"shutdown_timeout_s": "soon"}, "shutdown_timeout_s"),
+        ({"hit_pending_timeout_s": 0}, "hit_pending_timeout_s"),
+        ({"hit_pending_timeout_s": -1}, "hit_pending_timeout_s"),
+        ({"copy_cpus": 3}, "copy_cpus"),
     ],
 )
 def test_a_bad_config_is_a_value_error_naming_the_key(vllm, region_dir, tmp_path, change, names):

@@ -26,7 +26,7 @@ class Node:
     """A manager with one secondary tier (a file tier unless told), and one rank's handler."""
 
     def __init__(self, region_dir, tier_dir, caches, *, slots=4, tier_blocks=64, policy="lru",
-                 tier=None, region="region"):
+                 tier=None, region="region", hit_pending_timeout_s=5.0):
         if tier is None:
             tier = {"type": "file", "path": str(tier_dir)}
         self.settings = kv.Settings(
@@ -36,6 +36,7 @@ class Node:
             policy=policy,
             tiers=({**tier, "capacity_bytes": tier_blocks * PAGE},),
             identity="test/model",
+            hit_pending_timeout_s=hit_pending_timeout_s,
         )
         self.manager = kv.KvtierOffloadingManager(self.settings, prefault_threads=1)
         self.worker = kv.KvtierOffloadingWorker(caches, self.settings)
@@ -312,6 +313,68 @@ def test_two_nodes_share_a_redis_tier(region_dir, tmp_path, redis_url):
         assert (tier_stats["read_missing"], tier_stats["read_failures"]) == (1, 0), stats
         assert tier_stats["health"] == "Up", stats
         assert stats["promotions_missing"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stopped_redis_holds_a_request_only_until_the_deadline(region_dir, redis_server):
+    """★9 (W3): with its Redis server stopped (SIGSTOP: it accepts nothing and answers
+    nothing, as a hung server), a request that wants a block it holds is deferred for
+    ``hit_pending_timeout_s``, then answered "miss" and computes the block. Once the server
+    runs again, the probe ends once, a new request promotes and loads the block with the bytes
+    node A stored, and nothing is left pinned or in flight."""
+    import os
+    import signal
+
+    url, server = redis_server
+    # A client timeout far beyond the deadline: the deadline alone ends the wait.
+    tier = {"type": "redis", "urls": [url], "namespace": "pytest", "timeout_ms": 60_000}
+    caches_a = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(8))
+    caches_b = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(9))
+    a = Node(region_dir, None, caches_a, tier=tier, region="a")
+    b = Node(region_dir, None, caches_b, tier=tier, region="b", hit_pending_timeout_s=0.3)
+    try:
+        keys = [b"stall-0", b"stall-1"]
+        a.store(keys, [0, 1])
+        a.settle()
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            ctx = b.request()
+            started = time.monotonic()
+            seen = []
+            while True:
+                r = b.manager.lookup(keys[0], ctx)
+                seen.append(r)
+                if r is kv.LookupResult.MISS:
+                    break
+                assert r in (kv.LookupResult.RETRY, kv.LookupResult.HIT_PENDING), seen
+                assert time.monotonic() - started < 30, f"held for 30 s: {len(seen)} lookups"
+                b.manager.on_schedule_end(END)
+                time.sleep(0.005)
+            waited = time.monotonic() - started
+            assert waited >= 0.3, waited
+            assert kv.LookupResult.RETRY in seen
+            assert b.manager.lookup(keys[0], ctx) is kv.LookupResult.MISS  # W4
+            assert b.manager.stats()["wait_timeouts"] == 1
+            assert b.manager.has_pending_work(), "the probe is still in flight"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        b.manager.on_request_finished(ctx)
+        b.settle()
+        ctx = b.request()
+        result, _ = b.lookup_until_settled(keys[0], ctx)
+        assert result is kv.LookupResult.HIT
+        caches_b.tensors[0].tensor[9] = 0
+        assert b.load([keys[0]], [9], ctx)
+        assert np.array_equal(copied(caches_b, 0, 9)[0], copied(caches_a, 0, 0)[0])
+        b.manager.on_request_finished(ctx)
+        b.settle()
+        stats = b.manager.stats()
+        assert stats["wait_timeouts"] == 1, stats
+        assert (stats["load_pins"], stats["job_pins"], stats["jobs_outstanding"]) == (0, 0, 0)
+        assert stats["tiers"][0]["health"] == "Up", stats
+        assert not b.manager.has_pending_work()
     finally:
         a.close()
         b.close()

@@ -122,6 +122,9 @@ pub struct Report {
     pub primary_evictions: u64,
     /// Requests that stopped waiting for promotions and recomputed.
     pub gave_up_waiting: u64,
+    /// Lookups answered Miss because their request had waited for the block past
+    /// `hit_pending_timeout_ms` (★9, W3): a hung or slow tier's blocks computed instead.
+    pub timed_out_waiting: u64,
     /// Stores refused for lack of primary room (recomputed next time).
     pub stores_refused: u64,
     /// Loaded blocks whose bytes differed from what was stored (must be 0).
@@ -308,6 +311,7 @@ pub fn run(
     let mut config = Config::new(rows);
     config.policy = settings.policy;
     config.events = false;
+    config.wait_deadline = settings.hit_pending_timeout_ms;
     // The identity names the block size itself, not the page-aligned row: a tier of
     // 5000-byte blocks is not one of 6000-byte blocks, though both fill 8 KiB rows.
     let identity = format!("kvtier bench, {bb}-byte blocks");
@@ -571,6 +575,7 @@ pub fn run(
         },
         primary_evictions: stats.evictions,
         gave_up_waiting: gave_up,
+        timed_out_waiting: stats.wait_timeouts,
         stores_refused: refused,
         wrong_blocks: wrong,
         steps,
@@ -618,12 +623,13 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "promotions      {} started, {} succeeded, {} failed, {} gone from the shared tier; {} requests gave up waiting",
+            "promotions      {} started, {} succeeded, {} failed, {} gone from the shared tier; {} requests gave up waiting, {} lookups timed out waiting",
             self.promotions.started,
             self.promotions.succeeded,
             self.promotions.failed,
             self.promotions.missing,
-            self.gave_up_waiting
+            self.gave_up_waiting,
+            self.timed_out_waiting
         )?;
         writeln!(
             f,

@@ -91,6 +91,9 @@ pub struct BenchSettings {
     pub io_threads: usize,
     /// Steps a request waits for its promotions before it recomputes instead.
     pub max_wait_steps: u32,
+    /// ★9: milliseconds one request may be answered "pending" or "retry" for one block
+    /// before the core answers Miss (`Config::wait_deadline`); `None`: no deadline.
+    pub hit_pending_timeout_ms: Option<u64>,
 }
 
 impl Default for BenchSettings {
@@ -105,6 +108,7 @@ impl Default for BenchSettings {
             copy_threads: 2,
             io_threads: 4,
             max_wait_steps: 64,
+            hit_pending_timeout_ms: Some(5_000),
         }
     }
 }
@@ -127,6 +131,8 @@ pub struct FileSettings {
     pub batch: Option<usize>,
     /// Secondary tiers.
     pub secondary_tiers: Option<Vec<FileTier>>,
+    /// Milliseconds a request waits for one block before it computes it (0: no deadline).
+    pub hit_pending_timeout_ms: Option<u64>,
 }
 
 /// A secondary tier in a configuration file.
@@ -375,6 +381,9 @@ impl FileSettings {
         }
         if let Some(b) = self.batch {
             s.batch = b;
+        }
+        if let Some(ms) = self.hit_pending_timeout_ms {
+            s.hit_pending_timeout_ms = (ms > 0).then_some(ms);
         }
         if let Some(tiers) = &self.secondary_tiers {
             let env = |v: &str| std::env::var(v).ok();

@@ -238,6 +238,18 @@ def _page_align(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+def _timeout_setting(extra: Mapping[str, Any], key: str, default: float) -> float | None:
+    """A positive number of seconds, or ``None`` (given as null) for no timeout."""
+    if key in extra and extra[key] is None:
+        return None
+    value = _float_setting(extra, key, default)
+    if value <= 0.0:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key}: {value!r} is not positive (null: no deadline)"
+        )
+    return value
+
+
 def _str_setting(extra: Mapping[str, Any], key: str, default: str) -> str:
     value = extra.get(key, default)
     if not isinstance(value, str):
@@ -302,7 +314,8 @@ class Settings:
     ``{"type": "redis", "urls", "capacity_bytes", "cluster"?, "namespace"?, "timeout_ms"?,
     "ttl_s"?, "username_env"?, "password_env"?, "tls"?, "tls_ca_file"?, "eviction_policy"?}``),
     ``region_dir`` (none: an anonymous region), ``io_threads`` (4), ``shutdown_timeout_s``
-    (30), ``attach_timeout_s`` (60), ``copy_cpus`` (``"any"``).
+    (30), ``attach_timeout_s`` (60), ``copy_cpus`` (``"any"``), ``hit_pending_timeout_s`` (5;
+    null: none).
 
     ``region_path`` names the shared region: ``@NAME`` for an anonymous one (memory with no
     file, which the ranks receive from the scheduler process and the kernel frees once every
@@ -330,6 +343,10 @@ class Settings:
     #: the binding of the engine thread that builds the handler (vLLM's CPU worker pins it to
     #: one core of the model's OpenMP team), or a CPU list such as ``"2,4-7"``.
     copy_cpus: str = "any"
+    #: How long one request may wait for one block (answered "pending" or "retry", as while
+    #: a promotion from a hung tier is in flight) before kvtier answers "miss" and the engine
+    #: computes the block (★9). ``None``: no deadline, as vLLM 0.33.
+    hit_pending_timeout_s: float | None = 5.0
     #: Pipeline stages of the engine (vLLM's ``pp_size``): how many scheduler steps may run
     #: ahead of the workers, which bounds the reset fence where vLLM does not end it.
     pipeline_stages: int = 1
@@ -452,6 +469,7 @@ class Settings:
             shutdown_timeout_s=_float_setting(extra, "shutdown_timeout_s", 30.0),
             attach_timeout_s=_float_setting(extra, "attach_timeout_s", 60.0),
             copy_cpus=_str_setting(extra, "copy_cpus", "any"),
+            hit_pending_timeout_s=_timeout_setting(extra, "hit_pending_timeout_s", 5.0),
             kv_cache_size_tokens=_kv_cache_size_tokens(config, num_blocks),
         )
 
@@ -524,6 +542,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
             shutdown_timeout_s=settings.shutdown_timeout_s,
             prefault_threads=prefault_threads,
             verify_stores=settings.verify_stores,
+            hit_pending_timeout_s=settings.hit_pending_timeout_s,
         )
         self._lock = threading.Lock()
         # The per-block calls go straight to the core: no Python frame in between.
