@@ -328,7 +328,7 @@ impl Manager {
             Some(Wait::Since(t)) if !ready => {
                 // W3: the deadline is set, or no wait would have been kept (W7).
                 let deadline = self.config.wait_deadline.unwrap_or(u64::MAX);
-                let expired = self.clock.saturating_sub(t) >= deadline;
+                let expired = self.clock.saturating_sub(t) > deadline;
                 if expired && !crate::mutant::active("no_deadline") {
                     self.stats.wait_timeouts += 1;
                     tracing::debug!(%req, %key, since = t, clock = self.clock, "gave up waiting");
@@ -696,7 +696,11 @@ impl Manager {
             }
         }
         self.primary.reset();
-        self.waits.clear(); // W6
+        // W6: waits are forgotten; a block given up stays given up for its request.
+        for keys in self.waits.values_mut() {
+            keys.retain(|_, w| *w == Wait::GaveUp);
+        }
+        self.waits.retain(|_, keys| !keys.is_empty());
         self.stats.load_pins = 0;
         self.collected = false; // vLLM reopens its once-per-step poll
         self.promotions_held = !self.tiers.is_empty();
@@ -1066,7 +1070,7 @@ impl Manager {
 
     /// An encoding of every behaviour-relevant part of the state, for model checkers that
     /// deduplicate states: job ids are renamed by rank, times are relative to the current step,
-    /// waits are their age on the clock (ages at or past the deadline alike), tier entries and
+    /// waits are their age on the clock (ages past the deadline alike), tier entries and
     /// ghosts are named by key, and the counters of [`Stats`] are left out. Two managers of one
     /// configuration with equal encodings answer every future sequence of calls alike, up to a
     /// constant offset of job ids, steps and clock.
@@ -1126,8 +1130,8 @@ impl Manager {
                 let _ = write!(out, " cool{}:{k}+{}", t.0, until - step);
             }
         }
-        // W3 compares a wait's age with the deadline: ages beyond it are all alike.
-        let deadline = self.config.wait_deadline.unwrap_or(0);
+        // W3 compares a wait's age with the deadline: ages past it are all alike.
+        let deadline = self.config.wait_deadline.unwrap_or(0).saturating_add(1);
         for (req, keys) in &self.waits {
             for (key, w) in keys {
                 match w {

@@ -20,7 +20,8 @@ fn waiting() -> Manager {
     m
 }
 
-/// W2, W3, J2: a promotion whose tier hangs answers HitPending until the deadline, then Miss
+/// W2, W3, J2: a promotion whose tier hangs answers HitPending until the deadline has passed,
+/// then Miss
 /// without asking the tier again; the job still ends in one result, which alone makes the
 /// block Ready, and another request is answered Hit.
 #[test]
@@ -31,10 +32,10 @@ fn w3_a_hung_promotion_answers_miss_at_the_deadline() {
     m.end_step();
     let load = jobs(&drain(&mut m)); // the load job: its tier never answers (yet)
     assert_eq!(load.len(), 1);
-    m.set_clock(1_099);
+    m.set_clock(1_100);
     assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     m.end_step();
-    m.set_clock(1_100);
+    m.set_clock(1_101);
     assert_eq!(m.lookup(R1, &key(7)), Lookup::Miss); // W3
     assert_eq!(m.stats().wait_timeouts, 1);
     // Nothing else changed: the slot stays Promoting under its job, no new job.
@@ -72,6 +73,8 @@ fn w3_applies_to_a_store_another_request_waits_on() {
     m.set_clock(5);
     assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
     m.set_clock(105);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
+    m.set_clock(106);
     assert_eq!(m.lookup(R2, &key(1)), Lookup::Miss);
     m.complete_store(R1, &keys([1]), true);
     assert!(matches!(
@@ -104,9 +107,9 @@ fn w5_a_wait_that_ends_in_time_is_forgotten() {
         Lookup::HitPending,
         "a new wait, since 120"
     );
-    m.set_clock(219);
-    assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
     m.set_clock(220);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
+    m.set_clock(221);
     assert_eq!(m.lookup(R2, &key(1)), Lookup::Miss);
     assert_eq!(m.stats().wait_timeouts, 1);
     m.check_invariants().unwrap();
@@ -120,9 +123,9 @@ fn w1_the_clock_never_goes_back() {
     m.set_clock(10);
     assert_eq!(m.clock(), 50);
     assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending); // since 50
-    m.set_clock(149);
-    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
     m.set_clock(150);
+    assert_eq!(m.lookup(R1, &key(7)), Lookup::HitPending);
+    m.set_clock(151);
     assert_eq!(m.lookup(R1, &key(7)), Lookup::Miss);
 }
 
@@ -138,9 +141,9 @@ fn w3_applies_to_retry_answers() {
     let probe = jobs(&drain(&mut m));
     assert_eq!(probe.len(), 1);
     m.end_step();
-    m.set_clock(12);
-    assert_eq!(m.lookup(R1, &key(5)), Lookup::Retry);
     m.set_clock(13);
+    assert_eq!(m.lookup(R1, &key(5)), Lookup::Retry);
+    m.set_clock(14);
     assert_eq!(m.lookup(R1, &key(5)), Lookup::Miss); // W3
     assert!(drain(&mut m).is_empty(), "no new probe");
     // The probe still ends in one result; the tier learns the answer.
@@ -173,4 +176,61 @@ fn a_zero_deadline_is_refused() {
         Manager::new(c),
         Err(ConfigError::Invalid { field, .. }) if field == "wait_deadline"
     ));
+}
+
+/// W6: `reset_cache` forgets every wait, and keeps a live request's give-ups.
+#[test]
+fn w6_a_reset_forgets_waits_and_keeps_give_ups() {
+    let mut c = Config::new(4);
+    c.wait_deadline = Some(10);
+    let mut m = manager_with(c);
+    m.prepare_store(R1, &keys([1, 2])).unwrap(); // both Pending
+    m.set_clock(0);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
+    m.set_clock(11);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::Miss); // gave 1 up
+    assert_eq!(m.lookup(R2, &key(2)), Lookup::HitPending); // waits for 2 since 11
+    m.complete_store(R1, &keys([1, 2]), false);
+    m.reset_cache().unwrap();
+    m.prepare_store(R1, &keys([1, 2])).unwrap();
+    m.set_clock(25);
+    assert_eq!(
+        m.lookup(R2, &key(1)),
+        Lookup::Miss,
+        "given up before the reset"
+    );
+    assert_eq!(
+        m.lookup(R2, &key(2)),
+        Lookup::HitPending,
+        "a new wait: the old one (since 11) was forgotten"
+    );
+    m.set_clock(36);
+    assert_eq!(m.lookup(R2, &key(2)), Lookup::Miss);
+    m.check_invariants().unwrap();
+}
+
+/// W2: a wait that starts as Retry (a shared tier's probe) and goes on as HitPending (the
+/// probe found the block: a promotion) keeps its first time.
+#[test]
+fn w2_a_wait_keeps_its_start_from_retry_to_hit_pending() {
+    let mut c = Config::new(4);
+    c.tiers = vec![TierConfig::new(TierKind::Shared, 8)];
+    c.wait_deadline = Some(10);
+    let mut m = manager_with(c);
+    m.set_clock(0);
+    assert_eq!(m.lookup(R1, &key(5)), Lookup::Retry);
+    m.end_step(); // the probe goes out
+    let probe = jobs(&drain(&mut m));
+    report(&mut m, &probe, Outcome::Ok); // found
+    m.end_step();
+    m.set_clock(6);
+    assert_eq!(m.lookup(R1, &key(5)), Lookup::HitPending); // promoting now
+    m.set_clock(10);
+    assert_eq!(m.lookup(R1, &key(5)), Lookup::HitPending);
+    m.set_clock(11);
+    assert_eq!(
+        m.lookup(R1, &key(5)),
+        Lookup::Miss,
+        "the wait began at 0, not at 6"
+    );
 }

@@ -315,7 +315,8 @@ fn a_hung_tier_holds_a_request_only_until_the_wait_deadline() {
         driver.end_step();
         std::thread::sleep(Duration::from_millis(5));
     };
-    assert!(gave_up >= Duration::from_millis(DEADLINE_MS), "{gave_up:?}");
+    // W3 is strict on the driver's whole milliseconds: the real wait is longer than them.
+    assert!(gave_up > Duration::from_millis(DEADLINE_MS), "{gave_up:?}");
     assert!(
         faults.counts().gets_begun >= 1,
         "the read was started and hangs"

@@ -159,8 +159,8 @@ impl ModelState {
         // adds information, so neither is part of the identity of a state.
         self.written
             .retain(|slot, k| self.core.primary().key_at(*slot) == Some(k));
-        // Waits by age, ages at or past the deadline alike (as the core's own encoding).
-        let deadline = self.core.config().wait_deadline.unwrap_or(0);
+        // Waits by age, ages past the deadline alike (as the core's own encoding).
+        let deadline = self.core.config().wait_deadline.unwrap_or(0) + 1;
         let clock = self.core.clock();
         let waits: Vec<_> = self
             .waits
@@ -281,11 +281,18 @@ impl TieringModel {
                             before.primary().state_of(&k),
                             Some((_, BlockState::Ready { .. }))
                         );
-                        (!ready && before.clock() - since >= deadline).then_some("W3")
+                        (!ready && before.clock() - since > deadline).then_some("W3")
                     }
                     None => None,
                 };
+                let timeouts = |c: &Manager| c.stats().wait_timeouts;
+                let before_timeouts = if self.deadline { timeouts(before) } else { 0 };
                 let answer = m.lookup(req, &k);
+                if self.deadline && expired.is_none() && timeouts(m) != before_timeouts {
+                    n.violation = Some(format!(
+                        "W3: {req} gave up {k} before waiting past the deadline"
+                    ));
+                }
                 if let Some(rule) = expired
                     && answer != Lookup::Miss
                 {

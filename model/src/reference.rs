@@ -1144,7 +1144,7 @@ impl RefModel {
                 .is_some_and(|b| b.state == State::Ready);
             match self.waiting[i].2 {
                 None => return Lookup::Miss, // W4
-                Some(since) if !ready && self.clock - since >= deadline => {
+                Some(since) if !ready && self.clock - since > deadline => {
                     self.waiting[i].2 = None; // W3
                     self.wait_timeouts += 1;
                     return Lookup::Miss;

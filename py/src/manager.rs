@@ -503,7 +503,7 @@ impl Manager {
         // ★9: the driver's clock counts milliseconds; a deadline is at least one.
         config.wait_deadline = match hit_pending_timeout_s {
             None => None,
-            Some(s) if s > 0.0 && s.is_finite() => Some(((s * 1e3).ceil() as u64).max(1)),
+            Some(s) if s > 0.0 && s.is_finite() => Some(((s * 1e3 - 1e-6).ceil() as u64).max(1)),
             Some(s) => {
                 return Err(errors::config(
                     "hit_pending_timeout_s",

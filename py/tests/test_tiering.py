@@ -333,7 +333,7 @@ def test_a_stopped_redis_holds_a_request_only_until_the_deadline(region_dir, red
     caches_a = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(8))
     caches_b = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(9))
     a = Node(region_dir, None, caches_a, tier=tier, region="a")
-    b = Node(region_dir, None, caches_b, tier=tier, region="b", hit_pending_timeout_s=0.3)
+    b = Node(region_dir, None, caches_b, tier=tier, region="b", hit_pending_timeout_s=1.0)
     try:
         keys = [b"stall-0", b"stall-1"]
         a.store(keys, [0, 1])
@@ -353,7 +353,7 @@ def test_a_stopped_redis_holds_a_request_only_until_the_deadline(region_dir, red
                 b.manager.on_schedule_end(END)
                 time.sleep(0.005)
             waited = time.monotonic() - started
-            assert waited >= 0.3, waited
+            assert waited > 1.0, waited
             assert kv.LookupResult.RETRY in seen
             assert b.manager.lookup(keys[0], ctx) is kv.LookupResult.MISS  # W4
             assert b.manager.stats()["wait_timeouts"] == 1
