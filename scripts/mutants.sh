@@ -30,6 +30,9 @@ corpus() {
 walk() {
   cargo test --release "${features[@]}" -p kvtier-core --test random_walk
 }
+hosted() {
+  cargo test --release "${features[@]}" -p kvtier-core --test hosted
+}
 oracle() { # vLLM 0.33's own manager (needs scripts/vllm-oracle-setup.sh's install)
   PROPTEST_CASES=3000 cargo test --release "${features[@]}" -p kvtier-model --test reference_vs_vllm
 }
@@ -61,6 +64,7 @@ while IFS='|' read -r mutant checker expect; do
     corpus) corpus >"$log" 2>&1 ;;
     oracle) oracle >"$log" 2>&1 ;;
     walk) walk >"$log" 2>&1 ;;
+    hosted) hosted >"$log" 2>&1 ;;
     pytest:*) pytest "${checker#pytest:}" >"$log" 2>&1 ;;
   esac
   status=$?
@@ -91,6 +95,7 @@ no_step_gate|corpus|after op
 no_deadline|differential|after op
 arc_no_fallback|oracle|prepare_store: core
 arc_no_fallback|walk|evictable
+no_hold|hosted|H1
 skip_seal_check|pytest:test_multiprocess.py|unsealed
 no_store_positions|pytest:test_differential.py|prepare_store
 TABLE

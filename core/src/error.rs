@@ -61,6 +61,13 @@ pub enum Error {
         /// Jobs not yet ended.
         jobs: usize,
     },
+    /// A hosted tier was given a job id that is still outstanding, or one of the ids it keeps
+    /// for its own probes (the top bit set).
+    #[error("{job} is in use: give each job a new id below 2^63")]
+    JobInUse {
+        /// The job.
+        job: JobId,
+    },
     /// A tier id beyond the configured tiers.
     #[error("{tier} is not configured")]
     UnknownTier {

@@ -65,6 +65,7 @@ extern crate alloc;
 mod config;
 mod error;
 mod event;
+mod hosted;
 mod key;
 mod manager;
 pub mod mutant;
@@ -82,6 +83,7 @@ pub use error::{Error, Violation};
 pub use event::{
     Effect, Event, EventKind, Job, JobKind, JobResult, Lookup, Medium, Outcome, Transfer,
 };
+pub use hosted::{HostedLookup, HostedResult, HostedStats, HostedTier};
 pub use key::{JobId, Key, RequestId, SlotId, TierId};
 pub use manager::Manager;
 pub use primary::{BlockState, Metrics, PreparedStore, Primary};

@@ -27,6 +27,7 @@ pub const NAMES: &[&str] = &[
     "shared_delete",
     "missing_is_failure",
     "no_deadline",
+    "no_hold",
 ];
 
 /// Whether the seeded defect `name` is switched on in this process: always `false` unless

@@ -13,6 +13,51 @@ use crate::queue::Queue;
 use crate::region::Region;
 use crate::store::{SecondaryStore, StoreError};
 
+/// The primary's rows, as the IO threads read and write them: kvtier's own [`Region`], or a
+/// host's primary memory ([`crate::hosted::HostRows`]).
+pub(crate) trait Rows: Send + Sync + 'static {
+    /// Bytes of one row (one block).
+    fn row_bytes(&self) -> usize;
+    /// Calls `f` with the rows of `slots`, read only.
+    fn with_rows<R>(&self, slots: &[SlotId], f: impl FnOnce(&[&[u8]]) -> R) -> Result<R, String>;
+    /// Calls `f` with the rows of `slots` (distinct), writable.
+    fn with_rows_mut<R>(
+        &self,
+        slots: &[SlotId],
+        f: impl FnOnce(&mut [&mut [u8]]) -> R,
+    ) -> Result<R, String>;
+    /// Calls `f` with the row of `slot`, read only.
+    fn with_row<R>(&self, slot: SlotId, f: impl FnOnce(&[u8]) -> R) -> Result<R, String> {
+        self.with_rows(&[slot], |rows| f(rows[0]))
+    }
+    /// Calls `f` with the row of `slot`, writable.
+    fn with_row_mut<R>(&self, slot: SlotId, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, String> {
+        self.with_rows_mut(&[slot], |rows| f(&mut *rows[0]))
+    }
+}
+
+impl Rows for Region {
+    fn row_bytes(&self) -> usize {
+        self.layout().row_bytes()
+    }
+    fn with_rows<R>(&self, slots: &[SlotId], f: impl FnOnce(&[&[u8]]) -> R) -> Result<R, String> {
+        Region::with_rows(self, slots, f).map_err(|e| e.to_string())
+    }
+    fn with_rows_mut<R>(
+        &self,
+        slots: &[SlotId],
+        f: impl FnOnce(&mut [&mut [u8]]) -> R,
+    ) -> Result<R, String> {
+        Region::with_rows_mut(self, slots, f).map_err(|e| e.to_string())
+    }
+    fn with_row<R>(&self, slot: SlotId, f: impl FnOnce(&[u8]) -> R) -> Result<R, String> {
+        Region::with_row(self, slot, f).map_err(|e| e.to_string())
+    }
+    fn with_row_mut<R>(&self, slot: SlotId, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, String> {
+        Region::with_row_mut(self, slot, f).map_err(|e| e.to_string())
+    }
+}
+
 /// What a tier job moved, for the report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JobPath {
@@ -61,10 +106,10 @@ pub(crate) struct TierIo {
 }
 
 impl TierIo {
-    pub(crate) fn start(
+    pub(crate) fn start<P: Rows>(
         tier: TierId,
         store: Arc<dyn SecondaryStore>,
-        region: Arc<Region>,
+        region: Arc<P>,
         done: Completions,
         threads: usize,
     ) -> std::io::Result<Self> {
@@ -92,7 +137,7 @@ impl TierIo {
                                             Work::Probes(..) => None,
                                         }));
                                     }
-                                    run_guarded(tier, &*store, &region, group)
+                                    run_guarded(tier, &*store, &*region, group)
                                 }
                                 Work::Probes(probes, at) => {
                                     probe_guarded(tier, &*store, probes, at)
@@ -233,7 +278,7 @@ fn probe_ended(answer: Result<bool, StoreError>) -> Ended {
 fn run_guarded(
     tier: TierId,
     store: &dyn SecondaryStore,
-    region: &Region,
+    region: &impl Rows,
     group: Vec<(Job, Instant)>,
 ) -> Vec<TierDone> {
     let ids: Vec<(JobId, JobPath, Instant)> = group
@@ -294,7 +339,7 @@ impl JobPath {
 fn run_group(
     tier: TierId,
     store: &dyn SecondaryStore,
-    region: &Region,
+    region: &impl Rows,
     group: Vec<(Job, Instant)>,
 ) -> Vec<TierDone> {
     let begun = Instant::now();
@@ -326,7 +371,7 @@ fn run_group(
 /// Reads or writes `blocks` as one batch; one result per block, in order.
 fn block_results(
     store: &dyn SecondaryStore,
-    region: &Region,
+    region: &impl Rows,
     blocks: &[&Transfer],
     load: bool,
 ) -> Vec<Result<(), StoreError>> {
@@ -365,7 +410,7 @@ fn block_results(
                 } else {
                     region.with_row(b.slot, |row| store.put(&b.key, row))
                 };
-                r.unwrap_or_else(|e| Err(StoreError::BadInput(e.to_string())))
+                r.unwrap_or_else(|e| Err(StoreError::BadInput(e)))
             })
             .collect(),
     }
@@ -411,7 +456,7 @@ impl Ended {
 /// Ends `job`: a store or load job from its blocks' `results`, a probe by asking the store.
 fn run_job(
     store: &dyn SecondaryStore,
-    region: &Region,
+    region: &impl Rows,
     job: &Job,
     results: Vec<Result<(), StoreError>>,
 ) -> Ended {
@@ -435,7 +480,7 @@ fn run_job(
                     }
                 }
             }
-            let bytes = ok.len() as u64 * region.layout().row_bytes() as u64;
+            let bytes = ok.len() as u64 * region.row_bytes() as u64;
             let outcome = if ok.len() == blocks.len() {
                 Outcome::Ok
             } else if missing.len() == blocks.len() {

@@ -8,6 +8,8 @@
 //!   [`RedisStore`] is the shared tier on Redis or Redis Cluster, [`FaultyStore`] injects
 //!   faults into any store; [`crash`] checks the file tier's crash
 //!   consistency against a simulated disk that crashes and tears writes.
+//! - [`HostedDriver`]: one store as a secondary tier of another engine's tiering manager
+//!   (vLLM 0.33's `TieringOffloadingSpec`), over that engine's primary memory ([`HostRows`]).
 //! - [`Driver`]: owns the core on one thread, drains its effects into the engine and the
 //!   tiers, and feeds completions back.
 //! - [`bench`](mod@bench): the `kvtier bench` workload, trace reader, Belady's optimum and report.
@@ -21,6 +23,8 @@ mod driver;
 mod engine;
 mod faulty;
 mod file;
+#[allow(unsafe_code)]
+mod hosted;
 mod io;
 mod metrics;
 mod queue;
@@ -47,6 +51,7 @@ pub use file::{
     CHECKPOINT_FILE, DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, FsyncPolicy, INDEX_FILE,
     LOCK_FILE, MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
 };
+pub use hosted::{HostRows, HostedDone, HostedDriver, HostedIoStats};
 pub use io::{JobPath, TierDone};
 pub use metrics::{
     IoMetrics, PROMOTION_LATENCIES_KEPT, Path, PathMetrics, PathSummary, TierMetrics,

@@ -1,0 +1,478 @@
+//! A tier under another manager (`HostedTier`, rules H1–H10 of `docs/state-machine.md`), one
+//! test per rule, and a seeded walk that checks I13 and "every host job ends exactly once".
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kvtier_core::{
+    Effect, Error, EventKind, HostedLookup, HostedResult, HostedTier, JobId, JobKind, JobResult,
+    Key, Outcome, SlotId, TierConfig, TierKind,
+};
+
+fn k(i: u8) -> Key {
+    Key::new(&[b'k', i])
+}
+
+fn tier(kind: TierKind, capacity: u32) -> HostedTier {
+    HostedTier::new(TierConfig::new(kind, capacity))
+}
+
+fn blocks(keys: &[u8]) -> Vec<(Key, SlotId)> {
+    keys.iter()
+        .enumerate()
+        .map(|(slot, &i)| (k(i), SlotId(slot as u32)))
+        .collect()
+}
+
+/// Every effect polled now: the jobs submitted, and the keys deleted.
+fn effects(t: &mut HostedTier) -> (Vec<kvtier_core::Job>, Vec<Key>) {
+    let (mut jobs, mut deleted) = (Vec::new(), Vec::new());
+    while let Some(e) = t.poll_effect() {
+        match e {
+            Effect::Submit(job) => jobs.push(job),
+            Effect::Delete { keys, .. } => deleted.extend(keys),
+        }
+    }
+    (jobs, deleted)
+}
+
+/// Stores `keys` as job `job` and ends it: every written block written.
+fn stored(t: &mut HostedTier, job: u64, keys: &[u8]) -> HostedResult {
+    t.submit_store(JobId(job), &blocks(keys)).unwrap();
+    for j in effects(t).0 {
+        t.handle_job_result(JobResult {
+            job: j.id,
+            outcome: Outcome::Ok,
+        })
+        .unwrap();
+    }
+    let mut done = t.take_finished();
+    assert_eq!(done.len(), 1, "one result per job");
+    done.pop().unwrap()
+}
+
+#[test]
+fn h1_a_hit_holds_its_block_against_eviction_until_the_step_ends() {
+    let mut t = tier(TierKind::Authoritative, 2);
+    stored(&mut t, 1, &[0, 1]);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Hit);
+    assert_eq!(t.lookup(&k(1)), HostedLookup::Hit);
+    // Both are held: a store in the same step makes no room and skips its block.
+    let r = stored(&mut t, 2, &[2]);
+    assert!(
+        r.success,
+        "skipping for room is the tier's choice, not a failure"
+    );
+    assert_eq!(t.stats().blocks_skipped_full, 1);
+    assert_eq!(t.lookup(&k(2)), HostedLookup::Miss);
+    // The host promotes k0 at the end of the step: it is still there.
+    t.submit_load(JobId(3), &blocks(&[0])).unwrap();
+    let (jobs, _) = effects(&mut t);
+    assert_eq!(jobs.len(), 1);
+    t.end_step();
+    // k1's hold ended with the step; k0 is still read by job 3. Storing k2 now evicts k1.
+    let r = stored(&mut t, 4, &[2]);
+    assert_eq!(r.blocks, 1);
+    assert_eq!(t.lookup(&k(1)), HostedLookup::Miss);
+    t.handle_job_result(JobResult {
+        job: JobId(3),
+        outcome: Outcome::Ok,
+    })
+    .unwrap();
+    let done = t.take_finished();
+    assert_eq!(done.len(), 1);
+    assert!(done[0].success && done[0].load && done[0].blocks == 1);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn h1_a_key_looked_up_twice_in_a_step_is_held_once() {
+    let mut t = tier(TierKind::Authoritative, 2);
+    stored(&mut t, 1, &[0]);
+    for _ in 0..3 {
+        assert_eq!(t.lookup(&k(0)), HostedLookup::Hit);
+    }
+    t.end_step();
+    // No hold is left: the block can be evicted.
+    stored(&mut t, 2, &[1, 2]);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Miss);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn h2_a_block_being_written_answers_retry() {
+    let mut t = tier(TierKind::Authoritative, 4);
+    t.submit_store(JobId(1), &blocks(&[0])).unwrap();
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Retry);
+    let (jobs, _) = effects(&mut t);
+    t.handle_job_result(JobResult {
+        job: jobs[0].id,
+        outcome: Outcome::Ok,
+    })
+    .unwrap();
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Hit);
+}
+
+#[test]
+fn h3_an_absent_block_misses_and_starts_nothing() {
+    let mut t = tier(TierKind::Authoritative, 4);
+    assert_eq!(t.lookup(&k(9)), HostedLookup::Miss);
+    assert_eq!(effects(&mut t).0.len(), 0);
+}
+
+#[test]
+fn h4_a_shared_tier_probes_an_unknown_key_and_remembers_the_answer() {
+    let mut t = tier(TierKind::Shared, 4);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Retry);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Retry, "one probe per key");
+    let (jobs, _) = effects(&mut t);
+    assert_eq!(jobs.len(), 1);
+    assert!(matches!(&jobs[0].kind, JobKind::Exists { key } if *key == k(0)));
+    t.handle_job_result(JobResult {
+        job: jobs[0].id,
+        outcome: Outcome::Ok,
+    })
+    .unwrap();
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Hit);
+    assert!(t.take_finished().is_empty(), "a probe is not a host job");
+
+    assert_eq!(t.lookup(&k(1)), HostedLookup::Retry);
+    let (jobs, _) = effects(&mut t);
+    t.handle_job_result(JobResult {
+        job: jobs[0].id,
+        outcome: Outcome::NotFound,
+    })
+    .unwrap();
+    assert_eq!(t.lookup(&k(1)), HostedLookup::Miss, "known absent");
+    assert_eq!(effects(&mut t).0.len(), 0);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn h4_beyond_the_probe_bound_a_lookup_misses() {
+    let mut c = TierConfig::new(TierKind::Shared, 8);
+    c.max_outstanding_probes = 2;
+    let mut t = HostedTier::new(c);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Retry);
+    assert_eq!(t.lookup(&k(1)), HostedLookup::Retry);
+    assert_eq!(t.lookup(&k(2)), HostedLookup::Miss);
+    assert_eq!(t.stats().probes_skipped, 1);
+}
+
+#[test]
+fn h5_a_store_of_held_blocks_ends_at_once_with_success() {
+    let mut t = tier(TierKind::Authoritative, 4);
+    stored(&mut t, 1, &[0, 1]);
+    t.submit_store(JobId(2), &blocks(&[1, 0])).unwrap();
+    assert_eq!(effects(&mut t).0.len(), 0, "nothing to write");
+    let done = t.take_finished();
+    assert_eq!(done.len(), 1);
+    assert!(done[0].success && done[0].blocks == 0);
+    assert_eq!(t.stats().blocks_already_held, 2);
+}
+
+#[test]
+fn h5_eviction_deletes_before_the_store_that_needs_the_room() {
+    let mut t = tier(TierKind::Authoritative, 2);
+    stored(&mut t, 1, &[0, 1]);
+    t.submit_store(JobId(2), &blocks(&[2])).unwrap();
+    let mut order = Vec::new();
+    while let Some(e) = t.poll_effect() {
+        order.push(e);
+    }
+    assert!(matches!(&order[0], Effect::Delete { keys, .. } if keys == &vec![k(0)]));
+    assert!(matches!(&order[1], Effect::Submit(_)));
+    let removed: Vec<_> = t
+        .take_events()
+        .into_iter()
+        .filter(|e| e.kind == EventKind::Removed)
+        .collect();
+    assert_eq!(removed.len(), 1);
+}
+
+#[test]
+fn h5_a_shared_tier_never_deletes_what_it_evicts() {
+    let mut t = tier(TierKind::Shared, 1);
+    stored(&mut t, 1, &[0]);
+    t.submit_store(JobId(2), &blocks(&[1])).unwrap();
+    let (jobs, deleted) = effects(&mut t);
+    assert_eq!(jobs.len(), 1);
+    assert!(deleted.is_empty(), "T14");
+}
+
+#[test]
+fn h6_a_load_of_blocks_the_tier_lacks_fails_at_once_and_never_reads_them() {
+    let mut t = tier(TierKind::Authoritative, 4);
+    stored(&mut t, 1, &[0]);
+    t.submit_load(JobId(2), &blocks(&[5, 6])).unwrap();
+    assert_eq!(effects(&mut t).0.len(), 0);
+    let done = t.take_finished();
+    assert!(!done[0].success && done[0].succeeded.is_none());
+    // Mixed: only the held block is read; the job names it as the one that succeeded.
+    t.submit_load(JobId(3), &blocks(&[5, 0])).unwrap();
+    let (jobs, _) = effects(&mut t);
+    assert_eq!(jobs[0].blocks().len(), 1);
+    assert_eq!(jobs[0].blocks()[0].key, k(0));
+    assert_eq!(
+        jobs[0].blocks()[0].slot,
+        SlotId(1),
+        "the host's slot for that key"
+    );
+    t.handle_job_result(JobResult {
+        job: JobId(3),
+        outcome: Outcome::Ok,
+    })
+    .unwrap();
+    let done = t.take_finished();
+    assert!(!done[0].success);
+    assert_eq!(done[0].succeeded, Some(vec![k(0)]));
+}
+
+#[test]
+fn h7_a_failed_write_leaves_the_block_absent_and_the_job_failed() {
+    let mut t = tier(TierKind::Authoritative, 4);
+    t.submit_store(JobId(1), &blocks(&[0, 1])).unwrap();
+    effects(&mut t);
+    t.handle_job_result(JobResult {
+        job: JobId(1),
+        outcome: Outcome::partial(vec![k(1)]),
+    })
+    .unwrap();
+    let done = t.take_finished();
+    assert!(!done[0].success);
+    assert_eq!(done[0].blocks, 1);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Miss);
+    assert_eq!(t.lookup(&k(1)), HostedLookup::Hit);
+    let stored: Vec<_> = t
+        .take_events()
+        .into_iter()
+        .filter(|e| e.kind == EventKind::Stored)
+        .flat_map(|e| e.keys)
+        .collect();
+    assert_eq!(stored, vec![k(1)], "only the written block is announced");
+}
+
+#[test]
+fn h8_a_failed_read_is_never_served_and_the_block_is_dropped() {
+    let mut t = tier(TierKind::Authoritative, 4);
+    stored(&mut t, 1, &[0, 1, 2]);
+    t.submit_load(JobId(2), &blocks(&[0, 1, 2])).unwrap();
+    effects(&mut t);
+    t.handle_job_result(JobResult {
+        job: JobId(2),
+        outcome: Outcome::partial(vec![k(2), k(0)]),
+    })
+    .unwrap();
+    let done = t.take_finished();
+    assert!(!done[0].success);
+    assert_eq!(
+        done[0].succeeded,
+        Some(vec![k(0), k(2)]),
+        "in the host's order"
+    );
+    let (_, deleted) = effects(&mut t);
+    assert_eq!(deleted, vec![k(1)], "T11: an unreadable block is dropped");
+    assert_eq!(t.lookup(&k(1)), HostedLookup::Miss);
+}
+
+#[test]
+fn h8_a_shared_store_that_lost_a_block_forgets_it_without_a_probe() {
+    let mut t = tier(TierKind::Shared, 4);
+    stored(&mut t, 1, &[0]);
+    t.submit_load(JobId(2), &blocks(&[0])).unwrap();
+    effects(&mut t);
+    t.handle_job_result(JobResult {
+        job: JobId(2),
+        outcome: Outcome::NotFound,
+    })
+    .unwrap();
+    assert!(!t.take_finished()[0].success);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Miss, "T15: known absent");
+    assert_eq!(effects(&mut t).0.len(), 0);
+}
+
+#[test]
+fn h10_a_job_id_in_use_or_a_key_named_twice_is_refused_and_changes_nothing() {
+    let mut t = tier(TierKind::Authoritative, 4);
+    t.submit_store(JobId(1), &blocks(&[0])).unwrap();
+    effects(&mut t);
+    let before = format!("{:?}", t.index());
+    assert_eq!(
+        t.submit_store(JobId(1), &blocks(&[1])),
+        Err(Error::JobInUse { job: JobId(1) })
+    );
+    assert!(matches!(
+        t.submit_load(JobId(7), &[(k(0), SlotId(0)), (k(0), SlotId(1))]),
+        Err(Error::InvalidOutcome { .. })
+    ));
+    assert!(matches!(
+        t.submit_store(JobId(1 << 63), &blocks(&[2])),
+        Err(Error::JobInUse { .. })
+    ));
+    assert_eq!(format!("{:?}", t.index()), before);
+    assert!(matches!(
+        t.handle_job_result(JobResult {
+            job: JobId(99),
+            outcome: Outcome::Ok
+        }),
+        Err(Error::UnknownJob { .. })
+    ));
+    assert!(matches!(
+        t.handle_job_result(JobResult {
+            job: JobId(1),
+            outcome: Outcome::partial(vec![k(5)])
+        }),
+        Err(Error::ForeignKey { .. })
+    ));
+    assert_eq!(t.outstanding(), 1, "a refused result ends nothing");
+}
+
+#[test]
+fn restore_keeps_the_oldest_blocks_up_to_capacity_and_deletes_the_rest() {
+    let mut t = tier(TierKind::Authoritative, 2);
+    t.restore([k(0), k(1), k(2)]);
+    let (_, deleted) = effects(&mut t);
+    assert_eq!(deleted, vec![k(2)]);
+    assert_eq!(t.lookup(&k(0)), HostedLookup::Hit);
+    assert_eq!(t.lookup(&k(2)), HostedLookup::Miss);
+}
+
+/// xorshift64*: deterministic, seeded, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A host as vLLM's manager drives a tier: lookups, a promotion of each hit at the end of the
+/// step, stores of new blocks, jobs ending in any order with any outcome. Checked after every
+/// call: I13, one result per job, and that a load of a block answered `Hit` in the same step
+/// is always read (H1), never refused for lack of the block.
+#[test]
+fn a_random_host_never_loses_a_job_or_a_held_block() {
+    for seed in 1..=200u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let kind = if seed % 3 == 0 {
+            TierKind::Shared
+        } else {
+            TierKind::Authoritative
+        };
+        let mut t = tier(kind, 2 + (seed % 4) as u32);
+        let mut next_job = 0u64;
+        let mut running: Vec<kvtier_core::Job> = Vec::new();
+        let mut submitted: BTreeMap<u64, bool> = BTreeMap::new(); // job -> ended
+        let mut hits: BTreeSet<Key> = BTreeSet::new();
+        for _ in 0..300 {
+            match rng.below(6) {
+                0 | 1 => {
+                    let key = k(rng.below(8) as u8);
+                    if t.lookup(&key) == HostedLookup::Hit {
+                        hits.insert(key);
+                    }
+                }
+                2 => {
+                    let n = 1 + rng.below(3) as u8;
+                    let first = rng.below(8) as u8;
+                    let keys: Vec<u8> = (0..n).map(|i| (first + i) % 8).collect();
+                    next_job += 1;
+                    t.submit_store(JobId(next_job), &blocks(&keys)).unwrap();
+                    submitted.insert(next_job, false);
+                }
+                3 if !running.is_empty() => {
+                    let job = running.swap_remove(rng.below(running.len() as u64) as usize);
+                    let outcome = match (&job.kind, rng.below(4)) {
+                        (JobKind::Exists { .. }, 0) => Outcome::NotFound,
+                        (JobKind::Exists { .. }, 1) => Outcome::Failed,
+                        (JobKind::Exists { .. }, _) => Outcome::Ok,
+                        (_, 0) => Outcome::Failed,
+                        (_, 1) => Outcome::partial(
+                            job.blocks()
+                                .iter()
+                                .step_by(2)
+                                .map(|b| b.key.clone())
+                                .collect(),
+                        ),
+                        (JobKind::Load { .. }, 2) if kind == TierKind::Shared => Outcome::NotFound,
+                        _ => Outcome::Ok,
+                    };
+                    t.handle_job_result(JobResult {
+                        job: job.id,
+                        outcome,
+                    })
+                    .unwrap();
+                }
+                4 => t.touch(&[k(rng.below(8) as u8)]),
+                _ => {
+                    // The end of the step: each hit is promoted, as vLLM's manager does.
+                    if !hits.is_empty() {
+                        let keys: Vec<(Key, SlotId)> = std::mem::take(&mut hits)
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, key)| (key, SlotId(i as u32)))
+                            .collect();
+                        next_job += 1;
+                        t.submit_load(JobId(next_job), &keys).unwrap();
+                        submitted.insert(next_job, false);
+                        let mut submitted_load = None;
+                        while let Some(e) = t.poll_effect() {
+                            if let Effect::Submit(j) = e {
+                                if j.id == JobId(next_job) {
+                                    submitted_load = Some(j.blocks().len());
+                                }
+                                running.push(j);
+                            }
+                        }
+                        assert_eq!(
+                            submitted_load,
+                            Some(keys.len()),
+                            "seed {seed}: H1: every block hit in the step is read"
+                        );
+                    }
+                    t.end_step();
+                }
+            }
+            while let Some(e) = t.poll_effect() {
+                if let Effect::Submit(j) = e {
+                    running.push(j);
+                }
+            }
+            for r in t.take_finished() {
+                let ended = submitted.get_mut(&r.job.0).expect("a submitted job");
+                assert!(!*ended, "seed {seed}: {} ended twice", r.job);
+                *ended = true;
+                if let Some(s) = &r.succeeded {
+                    assert!(!r.success && !s.is_empty());
+                }
+            }
+            t.check_invariants()
+                .unwrap_or_else(|v| panic!("seed {seed}: {v}"));
+        }
+        // Every job still running ends; then every host job has ended exactly once.
+        for job in running.drain(..) {
+            t.handle_job_result(JobResult {
+                job: job.id,
+                outcome: Outcome::Ok,
+            })
+            .unwrap();
+        }
+        for r in t.take_finished() {
+            let ended = submitted.get_mut(&r.job.0).unwrap();
+            assert!(!*ended);
+            *ended = true;
+        }
+        assert!(
+            submitted.values().all(|e| *e),
+            "seed {seed}: a job never ended"
+        );
+        t.end_step();
+        assert_eq!(t.in_flight(), 0);
+        t.check_invariants().unwrap();
+    }
+}
