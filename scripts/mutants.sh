@@ -95,7 +95,7 @@ no_step_gate|corpus|after op
 no_deadline|differential|after op
 arc_no_fallback|oracle|prepare_store: core
 arc_no_fallback|walk|evictable
-no_hold|hosted|H1
+no_hold|hosted|G1
 skip_seal_check|pytest:test_multiprocess.py|unsealed
 no_store_positions|pytest:test_differential.py|prepare_store
 TABLE

@@ -1,4 +1,4 @@
-//! One secondary tier driven by another engine's tiering manager (rules H1–H10).
+//! One secondary tier driven by another engine's tiering manager (rules G1–G10).
 //!
 //! vLLM 0.33's `TieringOffloadingSpec` owns the primary tier and calls each secondary tier
 //! through its `SecondaryTierManager` interface. [`HostedTier`] is a kvtier tier index (T1–T15)
@@ -18,15 +18,15 @@ use crate::tier::{EntryState, ReadEnd, TierAnswer, TierIndex};
 /// A hosted tier's answer to a lookup, with vLLM 0.33's `LookupResult` meanings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostedLookup {
-    /// The tier holds the block; the host may promote it in this step (H1).
+    /// The tier holds the block; the host may promote it in this step (G1).
     Hit,
-    /// The tier does not hold it (H3), or cannot ask (H4).
+    /// The tier does not hold it (G3), or cannot ask (G4).
     Miss,
-    /// The block is being written or probed: ask again later (H2, H4).
+    /// The block is being written or probed: ask again later (G2, G4).
     Retry,
 }
 
-/// The end of one host job (H5–H8): vLLM's `JobResult`.
+/// The end of one host job (G5–G8): vLLM's `JobResult`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostedResult {
     /// The host's job id.
@@ -46,6 +46,10 @@ pub struct HostedResult {
 /// What a hosted tier counted since it was made.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostedStats {
+    /// Store jobs the host submitted.
+    pub store_jobs: u64,
+    /// Load jobs the host submitted.
+    pub load_jobs: u64,
     /// Lookups answered `Hit`.
     pub hits: u64,
     /// Lookups answered `Miss`.
@@ -54,9 +58,9 @@ pub struct HostedStats {
     pub retries: u64,
     /// Blocks written.
     pub blocks_stored: u64,
-    /// Blocks a store offered that the tier already held or was writing (H5).
+    /// Blocks a store offered that the tier already held or was writing (G5).
     pub blocks_already_held: u64,
-    /// Blocks a store offered for which no room could be made (H5).
+    /// Blocks a store offered for which no room could be made (G5).
     pub blocks_skipped_full: u64,
     /// Blocks evicted for room.
     pub blocks_evicted: u64,
@@ -83,7 +87,7 @@ enum HostJob {
     Load {
         /// Every key the host named, in its order.
         keys: Vec<Key>,
-        /// Per key, the entry being read, or `None` if it failed at once (H6).
+        /// Per key, the entry being read, or `None` if it failed at once (G6).
         reads: Vec<Option<u32>>,
     },
 }
@@ -91,7 +95,7 @@ enum HostJob {
 /// Probe job ids have the top bit set; host job ids must not.
 const PROBE_BIT: u64 = 1 << 63;
 
-/// One secondary tier under a host's tiering manager (H1–H10). See `docs/state-machine.md`.
+/// One secondary tier under a host's tiering manager (G1–G10). See `docs/state-machine.md`.
 #[derive(Clone, Debug)]
 pub struct HostedTier {
     index: TierIndex,
@@ -101,7 +105,7 @@ pub struct HostedTier {
     /// Existence probes in flight: job → key.
     probes: BTreeMap<JobId, Key>,
     next_probe: u64,
-    /// Entries held by this step's `Hit` answers (H1).
+    /// Entries held by this step's `Hit` answers (G1).
     holds: BTreeSet<u32>,
     effects: VecDeque<Effect>,
     finished: VecDeque<HostedResult>,
@@ -160,7 +164,7 @@ impl HostedTier {
         }
     }
 
-    /// H1–H4.
+    /// G1–G4.
     pub fn lookup(&mut self, key: &Key) -> HostedLookup {
         let (answer, id) = self.index.lookup_entry(key, self.step);
         let answer = match answer {
@@ -209,7 +213,7 @@ impl HostedTier {
         }
     }
 
-    /// H10: a job id the host may use now, and blocks with distinct keys.
+    /// G10: a job id the host may use now, and blocks with distinct keys.
     fn admit(&self, job: JobId, blocks: &[(Key, SlotId)]) -> Result<(), Error> {
         if job.0 & PROBE_BIT != 0 || self.jobs.contains_key(&job) {
             return Err(Error::JobInUse { job });
@@ -224,9 +228,10 @@ impl HostedTier {
         Ok(())
     }
 
-    /// H5: the host stores `blocks` (key, primary slot) from its primary into the tier.
+    /// G5: the host stores `blocks` (key, primary slot) from its primary into the tier.
     pub fn submit_store(&mut self, job: JobId, blocks: &[(Key, SlotId)]) -> Result<(), Error> {
         self.admit(job, blocks)?;
+        self.stats.store_jobs += 1;
         let transfers: Vec<Transfer> = blocks
             .iter()
             .map(|(key, slot)| Transfer {
@@ -275,9 +280,10 @@ impl HostedTier {
         Ok(())
     }
 
-    /// H6: the host loads `blocks` (key, primary slot) from the tier into its primary.
+    /// G6: the host loads `blocks` (key, primary slot) from the tier into its primary.
     pub fn submit_load(&mut self, job: JobId, blocks: &[(Key, SlotId)]) -> Result<(), Error> {
         self.admit(job, blocks)?;
+        self.stats.load_jobs += 1;
         let mut reads = Vec::with_capacity(blocks.len());
         let mut transfers = Vec::with_capacity(blocks.len());
         for (key, slot) in blocks {
@@ -320,7 +326,7 @@ impl HostedTier {
         Ok(())
     }
 
-    /// H7, H8, T5, T6: the IO layer's result of a job it was given.
+    /// G7, G8, T5, T6: the IO layer's result of a job it was given.
     pub fn handle_job_result(&mut self, result: JobResult) -> Result<(), Error> {
         let job = result.job;
         if let Some(key) = self.probes.get(&job) {
@@ -490,7 +496,7 @@ impl HostedTier {
         self.index.touch(keys);
     }
 
-    /// H9: the host's step ended.
+    /// G9: the host's step ended.
     pub fn end_step(&mut self) {
         for id in core::mem::take(&mut self.holds) {
             let released = self.index.end_read(id, ReadEnd::Cancelled, self.step);

@@ -1,4 +1,4 @@
-//! A tier under another manager (`HostedTier`, rules H1–H10 of `docs/state-machine.md`), one
+//! A tier under another manager (`HostedTier`, rules G1–G10 of `docs/state-machine.md`), one
 //! test per rule, and a seeded walk that checks I13 and "every host job ends exactly once".
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -51,7 +51,7 @@ fn stored(t: &mut HostedTier, job: u64, keys: &[u8]) -> HostedResult {
 }
 
 #[test]
-fn h1_a_hit_holds_its_block_against_eviction_until_the_step_ends() {
+fn g1_a_hit_holds_its_block_against_eviction_until_the_step_ends() {
     let mut t = tier(TierKind::Authoritative, 2);
     stored(&mut t, 1, &[0, 1]);
     assert_eq!(t.lookup(&k(0)), HostedLookup::Hit);
@@ -85,7 +85,7 @@ fn h1_a_hit_holds_its_block_against_eviction_until_the_step_ends() {
 }
 
 #[test]
-fn h1_a_key_looked_up_twice_in_a_step_is_held_once() {
+fn g1_a_key_looked_up_twice_in_a_step_is_held_once() {
     let mut t = tier(TierKind::Authoritative, 2);
     stored(&mut t, 1, &[0]);
     for _ in 0..3 {
@@ -99,7 +99,7 @@ fn h1_a_key_looked_up_twice_in_a_step_is_held_once() {
 }
 
 #[test]
-fn h2_a_block_being_written_answers_retry() {
+fn g2_a_block_being_written_answers_retry() {
     let mut t = tier(TierKind::Authoritative, 4);
     t.submit_store(JobId(1), &blocks(&[0])).unwrap();
     assert_eq!(t.lookup(&k(0)), HostedLookup::Retry);
@@ -113,14 +113,14 @@ fn h2_a_block_being_written_answers_retry() {
 }
 
 #[test]
-fn h3_an_absent_block_misses_and_starts_nothing() {
+fn g3_an_absent_block_misses_and_starts_nothing() {
     let mut t = tier(TierKind::Authoritative, 4);
     assert_eq!(t.lookup(&k(9)), HostedLookup::Miss);
     assert_eq!(effects(&mut t).0.len(), 0);
 }
 
 #[test]
-fn h4_a_shared_tier_probes_an_unknown_key_and_remembers_the_answer() {
+fn g4_a_shared_tier_probes_an_unknown_key_and_remembers_the_answer() {
     let mut t = tier(TierKind::Shared, 4);
     assert_eq!(t.lookup(&k(0)), HostedLookup::Retry);
     assert_eq!(t.lookup(&k(0)), HostedLookup::Retry, "one probe per key");
@@ -148,7 +148,7 @@ fn h4_a_shared_tier_probes_an_unknown_key_and_remembers_the_answer() {
 }
 
 #[test]
-fn h4_beyond_the_probe_bound_a_lookup_misses() {
+fn g4_beyond_the_probe_bound_a_lookup_misses() {
     let mut c = TierConfig::new(TierKind::Shared, 8);
     c.max_outstanding_probes = 2;
     let mut t = HostedTier::new(c);
@@ -159,7 +159,7 @@ fn h4_beyond_the_probe_bound_a_lookup_misses() {
 }
 
 #[test]
-fn h5_a_store_of_held_blocks_ends_at_once_with_success() {
+fn g5_a_store_of_held_blocks_ends_at_once_with_success() {
     let mut t = tier(TierKind::Authoritative, 4);
     stored(&mut t, 1, &[0, 1]);
     t.submit_store(JobId(2), &blocks(&[1, 0])).unwrap();
@@ -171,7 +171,7 @@ fn h5_a_store_of_held_blocks_ends_at_once_with_success() {
 }
 
 #[test]
-fn h5_eviction_deletes_before_the_store_that_needs_the_room() {
+fn g5_eviction_deletes_before_the_store_that_needs_the_room() {
     let mut t = tier(TierKind::Authoritative, 2);
     stored(&mut t, 1, &[0, 1]);
     t.submit_store(JobId(2), &blocks(&[2])).unwrap();
@@ -190,7 +190,7 @@ fn h5_eviction_deletes_before_the_store_that_needs_the_room() {
 }
 
 #[test]
-fn h5_a_shared_tier_never_deletes_what_it_evicts() {
+fn g5_a_shared_tier_never_deletes_what_it_evicts() {
     let mut t = tier(TierKind::Shared, 1);
     stored(&mut t, 1, &[0]);
     t.submit_store(JobId(2), &blocks(&[1])).unwrap();
@@ -200,7 +200,7 @@ fn h5_a_shared_tier_never_deletes_what_it_evicts() {
 }
 
 #[test]
-fn h6_a_load_of_blocks_the_tier_lacks_fails_at_once_and_never_reads_them() {
+fn g6_a_load_of_blocks_the_tier_lacks_fails_at_once_and_never_reads_them() {
     let mut t = tier(TierKind::Authoritative, 4);
     stored(&mut t, 1, &[0]);
     t.submit_load(JobId(2), &blocks(&[5, 6])).unwrap();
@@ -228,7 +228,7 @@ fn h6_a_load_of_blocks_the_tier_lacks_fails_at_once_and_never_reads_them() {
 }
 
 #[test]
-fn h7_a_failed_write_leaves_the_block_absent_and_the_job_failed() {
+fn g7_a_failed_write_leaves_the_block_absent_and_the_job_failed() {
     let mut t = tier(TierKind::Authoritative, 4);
     t.submit_store(JobId(1), &blocks(&[0, 1])).unwrap();
     effects(&mut t);
@@ -252,7 +252,7 @@ fn h7_a_failed_write_leaves_the_block_absent_and_the_job_failed() {
 }
 
 #[test]
-fn h8_a_failed_read_is_never_served_and_the_block_is_dropped() {
+fn g8_a_failed_read_is_never_served_and_the_block_is_dropped() {
     let mut t = tier(TierKind::Authoritative, 4);
     stored(&mut t, 1, &[0, 1, 2]);
     t.submit_load(JobId(2), &blocks(&[0, 1, 2])).unwrap();
@@ -275,7 +275,7 @@ fn h8_a_failed_read_is_never_served_and_the_block_is_dropped() {
 }
 
 #[test]
-fn h8_a_shared_store_that_lost_a_block_forgets_it_without_a_probe() {
+fn g8_a_shared_store_that_lost_a_block_forgets_it_without_a_probe() {
     let mut t = tier(TierKind::Shared, 4);
     stored(&mut t, 1, &[0]);
     t.submit_load(JobId(2), &blocks(&[0])).unwrap();
@@ -291,7 +291,7 @@ fn h8_a_shared_store_that_lost_a_block_forgets_it_without_a_probe() {
 }
 
 #[test]
-fn h10_a_job_id_in_use_or_a_key_named_twice_is_refused_and_changes_nothing() {
+fn g10_a_job_id_in_use_or_a_key_named_twice_is_refused_and_changes_nothing() {
     let mut t = tier(TierKind::Authoritative, 4);
     t.submit_store(JobId(1), &blocks(&[0])).unwrap();
     effects(&mut t);
@@ -354,7 +354,7 @@ impl Rng {
 /// A host as vLLM's manager drives a tier: lookups, a promotion of each hit at the end of the
 /// step, stores of new blocks, jobs ending in any order with any outcome. Checked after every
 /// call: I13, one result per job, and that a load of a block answered `Hit` in the same step
-/// is always read (H1), never refused for lack of the block.
+/// is always read (G1), never refused for lack of the block.
 #[test]
 fn a_random_host_never_loses_a_job_or_a_held_block() {
     for seed in 1..=200u64 {
@@ -432,7 +432,7 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
                         assert_eq!(
                             submitted_load,
                             Some(keys.len()),
-                            "seed {seed}: H1: every block hit in the step is read"
+                            "seed {seed}: G1: every block hit in the step is read"
                         );
                     }
                     t.end_step();

@@ -1,5 +1,5 @@
 //! One kvtier store as a secondary tier of another engine's tiering manager: the core's
-//! [`HostedTier`] (rules H1–H10), the store's IO threads, and the host's primary memory.
+//! [`HostedTier`] (rules G1–G10), the store's IO threads, and the host's primary memory.
 //!
 //! vLLM 0.33's `TieringOffloadingSpec` hands each secondary tier a view of its primary tier's
 //! memory and names primary slots in each job; [`HostRows`] is that memory, and
@@ -23,7 +23,7 @@ use crate::{HwError, JobPath};
 /// A host's primary memory: `len` bytes at `base`, one row of `row_bytes` per slot.
 ///
 /// The host keeps the memory mapped, and does not read or write the rows of a job while
-/// the job runs (vLLM pins a store's slots and allocates a load's, H5, H6).
+/// the job runs (vLLM pins a store's slots and allocates a load's, G5, G6).
 pub struct HostRows {
     base: usize,
     len: usize,
@@ -120,7 +120,7 @@ impl Rows for HostRows {
 pub struct HostedDone {
     /// The host's job id.
     pub job: u64,
-    /// Whether it did all it had to (H7, H8).
+    /// Whether it did all it had to (G7, G8).
     pub success: bool,
     /// A load that did not succeed: the blocks that were read, when some were.
     pub succeeded: Option<Vec<Key>>,
@@ -217,7 +217,7 @@ impl HostedDriver {
         (self.core.index().len(), self.core.index().capacity())
     }
 
-    /// H1–H4, after taking the completions that arrived (a finished write answers `Hit`).
+    /// G1–G4, after taking the completions that arrived (a finished write answers `Hit`).
     pub fn lookup(&mut self, key: &Key) -> HostedLookup {
         self.collect();
         let answer = self.core.lookup(key);
@@ -225,14 +225,14 @@ impl HostedDriver {
         answer
     }
 
-    /// H5: writes `blocks` (key, primary slot) from the host's primary into the store.
+    /// G5: writes `blocks` (key, primary slot) from the host's primary into the store.
     pub fn submit_store(&mut self, job: u64, blocks: &[(Key, SlotId)]) -> Result<(), HwError> {
         self.core.submit_store(JobId(job), blocks)?;
         self.pump();
         Ok(())
     }
 
-    /// H6: reads `blocks` (key, primary slot) from the store into the host's primary.
+    /// G6: reads `blocks` (key, primary slot) from the store into the host's primary.
     pub fn submit_load(&mut self, job: u64, blocks: &[(Key, SlotId)]) -> Result<(), HwError> {
         self.core.submit_load(JobId(job), blocks)?;
         self.pump();
@@ -244,7 +244,7 @@ impl HostedDriver {
         self.core.touch(keys);
     }
 
-    /// H9: the host's step ended.
+    /// G9: the host's step ended.
     pub fn end_step(&mut self) {
         self.collect();
         self.core.end_step();

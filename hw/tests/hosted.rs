@@ -1,4 +1,4 @@
-//! A kvtier store under a host's tiering manager (`HostedDriver`, rules H1–H10): blocks move
+//! A kvtier store under a host's tiering manager (`HostedDriver`, rules G1–G10): blocks move
 //! between the host's primary memory and a real file tier, byte for byte; the tier stays
 //! within its bound; a reopened tier serves its blocks; a failed read is never a success.
 
@@ -79,7 +79,7 @@ fn blocks_round_trip_through_a_file_tier_byte_for_byte() {
     assert_eq!(done.len(), 1);
     assert!(done[0].success && !done[0].load);
     assert_eq!(done[0].bytes, 4 * ROW as u64);
-    // H1: present now.
+    // G1: present now.
     assert_eq!(d.lookup(&key(2)), HostedLookup::Hit);
     assert_eq!(d.lookup(&key(9)), HostedLookup::Miss);
     // Promote two blocks into other slots.

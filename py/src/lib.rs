@@ -6,10 +6,15 @@
 //! - `Worker` (`src/worker.rs`): one tensor-parallel rank's transfer handler, copying between
 //!   the engine's KV tensors and the rank's sub-slots of the shared region.
 //!
+//! - `HostedTier` (`src/hosted.rs`): one kvtier store as a secondary tier of vLLM 0.33's own
+//!   `TieringOffloadingManager` (`kvtier/vllm_tiers.py`), over that manager's primary memory.
+//!
 //! Errors become the typed exceptions of `src/errors.rs`: a bad setting is a `ValueError` naming it,
 //! a refused call leaves the state as it was.
 
 mod errors;
+#[allow(unsafe_code)]
+mod hosted;
 mod log;
 mod manager;
 #[allow(unsafe_code)]
@@ -29,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     log::install();
     m.add_class::<manager::Manager>()?;
     m.add_class::<worker::Worker>()?;
+    m.add_class::<hosted::HostedTier>()?;
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -131,14 +131,14 @@ impl Classes {
 type EventTuple<'py> = (i32, u8, Vec<Bound<'py, PyBytes>>);
 
 /// A secondary tier's settings, as `kvtier.vllm` passes them.
-struct TierSettings {
-    capacity_bytes: u64,
-    policy: PolicyKind,
-    store: StoreSettings,
+pub(crate) struct TierSettings {
+    pub(crate) capacity_bytes: u64,
+    pub(crate) policy: PolicyKind,
+    pub(crate) store: StoreSettings,
 }
 
 /// What the tier stores its blocks in.
-enum StoreSettings {
+pub(crate) enum StoreSettings {
     /// A local, persistent file tier.
     File { path: PathBuf, fsync: FsyncPolicy },
     /// A tier shared by many nodes on Redis or Redis Cluster; the identity is the manager's.
@@ -299,7 +299,7 @@ const REDIS_KEYS: [&str; 9] = [
     "tls_ca_file",
 ];
 
-fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
+pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
     let name = |k: &str| format!("secondary_tiers[{i}].{k}");
     let get = |k: &str| d.get_item(k);
     /// A required or optional value of type `T`, with an error naming the key.
@@ -404,7 +404,7 @@ fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
 }
 
 /// The keys of an iterable of `bytes`, into `out`.
-fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<Key>) -> PyResult<()> {
+pub(crate) fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<Key>) -> PyResult<()> {
     out.clear();
     if let Ok(list) = keys.cast::<PyList>() {
         out.reserve(list.len());
@@ -419,7 +419,7 @@ fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<Key>) -> PyResult<()> {
     Ok(())
 }
 
-fn key_of(k: &Bound<'_, PyAny>) -> PyResult<Key> {
+pub(crate) fn key_of(k: &Bound<'_, PyAny>) -> PyResult<Key> {
     match k.cast::<PyBytes>() {
         Ok(b) => Ok(Key::new(b.as_bytes())),
         Err(_) => Err(PyTypeError::new_err(format!(

@@ -304,6 +304,39 @@ def _float_setting(extra: Mapping[str, Any], key: str, default: float) -> float:
     return number
 
 
+def layout_identity(config: Any, prefix: str) -> str:
+    """What a tier's blocks are, for vLLM's ``OffloadingConfig`` ``config``: ``prefix`` and a
+    digest of the model, dtype, KV layout, cache groups, parallelism and cache geometry. A
+    tier written under any other of these is refused at open, never read. Fields one vLLM
+    release has and another lacks (a group's sliding window is 0.33's) count as None."""
+    par = _need(config, "parallel")
+    model = _need(config, "model")
+    groups = [
+        (
+            _need(g, "group_id"),
+            _need(g, "tokens_per_block"),
+            _opt(g, "sliding_window_size_in_chunks"),
+            list(_need(g, "layer_names")),
+        )
+        for g in _need(config, "groups")
+    ]
+    return prefix + hashlib.sha256(
+        repr(
+            (
+                _need(model, "name"), _need(model, "dtype"),
+                _opt(config, "kv_cache_layout"), groups,
+                int(_need(par, "world_size")), _opt(par, "tp_size", 1), _opt(par, "pp_size", 1),
+                _opt(par, "pcp_size", 1), _opt(par, "dcp_size", 1),
+                int(_need(config, "worker_kv_bytes_per_block")),
+                int(_need(config, "cache.blocks_per_chunk")),
+                _opt(_need(config, "cache"), "tokens_per_hash"),
+                bool(_opt(config, "replicated_layout", False)),
+                bool(_opt(config, "canonical_layout", False)),
+            )
+        ).encode()
+    ).hexdigest()
+
+
 @dataclass(frozen=True)
 class Settings:
     """kvtier's settings, read from vLLM's ``OffloadingConfig`` and checked.
@@ -417,32 +450,7 @@ class Settings:
             if region_dir is None
             else os.path.join(str(region_dir), f"kvtier-{engine}")
         )
-        model = _need(config, "model")
-        # What a file tier's blocks are: a tier written under any other model, dtype, layout,
-        # parallelism or cache geometry is refused at open, never read. Fields one vLLM
-        # release has and another lacks (a group's sliding window is 0.33's) count as None.
-        groups = [
-            (
-                _need(g, "group_id"),
-                _need(g, "tokens_per_block"),
-                _opt(g, "sliding_window_size_in_chunks"),
-                list(_need(g, "layer_names")),
-            )
-            for g in _need(config, "groups")
-        ]
-        identity = "kvtier/vllm/" + hashlib.sha256(
-            repr(
-                (
-                    _need(model, "name"), _need(model, "dtype"),
-                    _opt(config, "kv_cache_layout"), groups,
-                    workers, _opt(par, "tp_size", 1), _opt(par, "pp_size", 1),
-                    _opt(par, "pcp_size", 1), _opt(par, "dcp_size", 1),
-                    worker_bytes, bpc, _opt(_need(config, "cache"), "tokens_per_hash"),
-                    bool(_opt(config, "replicated_layout", False)),
-                    bool(_opt(config, "canonical_layout", False)),
-                )
-            ).encode()
-        ).hexdigest()
+        identity = layout_identity(config, "kvtier/vllm/")
         # Data-parallel engines on one node share the config: each gets its own directory.
         if int(_opt(par, "data_parallel_size", 1)) > 1:
             tiers = [
