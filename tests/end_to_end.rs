@@ -277,8 +277,11 @@ fn region_attach_checks_the_layout() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("region");
     let layout = Layout::new(8, 2, 3000).unwrap();
-    assert_eq!(layout.sub_slot_bytes(), PAGE);
+    // The parts follow one another; the row is padded to a page (vLLM's CPU tier's rows).
+    assert_eq!(layout.sub_slot_bytes(), 3000);
     assert_eq!(layout.row_bytes(), 2 * PAGE);
+    assert_eq!(layout.offset(kvtier_core::SlotId(1), 1), 2 * PAGE + 3000);
+    assert_eq!(Layout::new(8, 3, 3000).unwrap().row_bytes(), 3 * PAGE);
     let owner = Region::create(&path, layout, 2).unwrap();
     let mode = std::fs::metadata(&path).unwrap();
     assert_eq!(

@@ -2,7 +2,7 @@
 //! for GPU memory. Every `unsafe` block that touches kvtier's memory is in this module.
 //!
 //! The region is shared memory mapped `MAP_SHARED` by every worker process. It has one row
-//! per primary slot; a row holds one page-aligned sub-slot per worker (tensor-parallel rank),
+//! per primary slot, page-aligned; a row holds one sub-slot per worker (tensor-parallel rank),
 //! so each worker writes only its own part and a secondary tier reads or writes a whole row in
 //! one piece.
 //!
@@ -188,7 +188,7 @@ pub enum RegionError {
     },
 }
 
-/// The shape of a region: `rows` rows of `workers` page-aligned sub-slots.
+/// The shape of a region: `rows` page-aligned rows of `workers` sub-slots each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     /// Rows, one per primary slot.
@@ -216,6 +216,12 @@ impl Layout {
             workers,
             block_bytes_per_worker,
         };
+        block_bytes_per_worker
+            .checked_mul(workers as usize)
+            .and_then(|b| b.checked_add(PAGE))
+            .ok_or(RegionError::Layout(
+                "the region does not fit in the address space",
+            ))?;
         l.row_bytes()
             .checked_mul(rows as usize)
             .and_then(|r| r.checked_add(page_align(rows as usize * workers as usize * 8)))
@@ -225,14 +231,17 @@ impl Layout {
         Ok(l)
     }
 
-    /// Bytes of one sub-slot: a worker's part of a block, rounded up to a page.
+    /// Bytes of one sub-slot: a worker's part of a block. The parts of a row follow one
+    /// another with no padding, as in vLLM 0.33's CPU tier.
     pub fn sub_slot_bytes(&self) -> usize {
-        page_align(self.block_bytes_per_worker)
+        self.block_bytes_per_worker
     }
 
-    /// Bytes of one row (every worker's sub-slot): what a secondary tier moves per block.
+    /// Bytes of one row (every worker's sub-slot, then padding to a page): what a secondary
+    /// tier moves per block. vLLM 0.33's CPU tier sizes its rows the same way, so the same
+    /// `cpu_bytes_to_use` holds the same number of slots in both.
     pub fn row_bytes(&self) -> usize {
-        self.sub_slot_bytes() * self.workers as usize
+        page_align(self.block_bytes_per_worker * self.workers as usize)
     }
 
     /// Bytes of the rows: every slot's block.

@@ -111,7 +111,11 @@ struct Shared {
     changed: Condvar,
     region_path: PathBuf,
     layout: Layout,
+    /// The sub-slot this handler copies to and from: its rank, or 0 in a replicated layout.
     rank: u16,
+    /// A replicated layout: `(this rank, ranks)`. Every rank holds the same bytes, the slots
+    /// hold one copy, and a store's block is written (and sealed) by rank `slot % ranks` only.
+    store_share: Option<(u16, u16)>,
     attach_timeout: Duration,
     /// Attached at the first job that succeeds in attaching (a failed attach is tried again
     /// by the next job).
@@ -224,14 +228,17 @@ pub(crate) struct Worker {
 #[pymethods]
 impl Worker {
     /// A handler for rank `rank` of the region at `region_path` (`rows` slots, `workers`
-    /// ranks, `block_bytes_per_worker` bytes of a slot per rank). `groups` lists, per KV cache
+    /// ranks, `block_bytes_per_worker` bytes of a slot per rank). In a replicated layout
+    /// (every rank's KV bytes the same, vLLM's `replicated_layout`) the region has one part per
+    /// slot: `workers` and `rank` are 1 and 0, and `store_share` is `(rank, ranks)`: this rank
+    /// writes only the slots `s` with `s % ranks == rank`, and reads every slot. `groups` lists, per KV cache
     /// group, its tensors as `(address, blocks, stride, page)`. `copy_cpus` is where the copy
     /// thread runs: `"any"` CPU the process may use (not the binding of the engine's thread
     /// that calls this), `"inherit"` that binding, or a list such as `"2,4-7"`.
     #[new]
     #[pyo3(signature = (*, region_path, rows, workers, block_bytes_per_worker, rank, groups,
         blocks_per_chunk = 1, attach_timeout_s = 60.0, device = None, tensors = Vec::new(),
-        copy_cpus = "any"))]
+        copy_cpus = "any", store_share = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         region_path: PathBuf,
@@ -245,7 +252,16 @@ impl Worker {
         device: Option<i32>,
         tensors: Vec<Py<PyAny>>,
         copy_cpus: &str,
+        store_share: Option<(u16, u16)>,
     ) -> PyResult<Self> {
+        if let Some((r, n)) = store_share
+            && (n == 0 || r >= n)
+        {
+            return Err(errors::config(
+                "rank",
+                format!("rank {r} of a replicated layout of {n} ranks"),
+            ));
+        }
         let copy_cpus: Cpus = copy_cpus
             .parse()
             .map_err(|e| errors::config("copy_cpus", e))?;
@@ -316,6 +332,7 @@ impl Worker {
             region_path,
             layout,
             rank,
+            store_share,
             attach_timeout,
             region: Mutex::new(None),
             stopping: AtomicBool::new(false),
@@ -390,7 +407,12 @@ impl Worker {
         stream: Option<usize>,
         seal: Option<u64>,
     ) -> PyResult<bool> {
-        let copies = self.plan(&block_ids, &group_sizes, &block_indices, &slots)?;
+        let mut copies = self.plan(&block_ids, &group_sizes, &block_indices, &slots)?;
+        if let Some((rank, ranks)) = self.shared.store_share.filter(|_| store) {
+            // One copy per slot: its writer copies and seals it; the others hold the same
+            // bytes and leave it alone.
+            copies.retain(|c| c.slot % u32::from(ranks) == u32::from(rank));
+        }
         let job = Job {
             id: job_id,
             store,
@@ -398,6 +420,12 @@ impl Worker {
             seal,
             submitted: Instant::now(),
         };
+        if store && job.copies.is_empty() {
+            // Nothing of it is this rank's to write (a replicated layout's other writers).
+            self.start(job_id)?;
+            self.shared.finish(&job, Ok(0));
+            return Ok(true);
+        }
         if let Some(gpu) = &self.gpu {
             self.start(job_id)?;
             self.submit_gpu(gpu, job, stream.unwrap_or(0));

@@ -11,7 +11,10 @@ stdin:
 - ``{"op": "zero", "blocks"}``: clears blocks.
 - ``{"op": "slow", "us"}``: pauses after each page copy from now on.
 
-Usage: rank_process.py REGION_PATH ROWS WORKERS RANK
+Usage: rank_process.py REGION_PATH ROWS WORKERS RANK [replicated]
+
+With ``replicated`` every rank holds the same bytes (seeded alike) and the region keeps one
+copy per slot (vLLM's ``replicated_layout``).
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ BLOCKS = 16
 
 def main() -> None:
     region, rows, workers, rank = sys.argv[1], *map(int, sys.argv[2:5])
-    tensor = np.random.default_rng(1000 + rank).integers(0, 256, (BLOCKS, PAGE), np.uint8)
+    replicated = sys.argv[5:6] == ["replicated"]
+    seed = 1000 if replicated else 1000 + rank
+    tensor = np.random.default_rng(seed).integers(0, 256, (BLOCKS, PAGE), np.uint8)
     caches = s.CanonicalKVCaches(
         tensors=[s.CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=PAGE)],
         group_data_refs=[[s.CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=PAGE)]],
     )
     settings = kv.Settings(
         num_blocks=rows, region_path=region, workers=workers, rank=rank,
-        block_bytes_per_worker=PAGE, attach_timeout_s=10,
+        block_bytes_per_worker=PAGE, attach_timeout_s=10, replicated=replicated,
     )
     worker = kv.KvtierOffloadingWorker(caches, settings)
     print(json.dumps({"ready": rank}), flush=True)

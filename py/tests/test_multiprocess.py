@@ -50,10 +50,11 @@ def kvtier_files_in_dev_shm(name):
 
 
 class Rank:
-    def __init__(self, region, rows, workers, rank):
+    def __init__(self, region, rows, workers, rank, replicated=False):
         self.rank = rank
         self.proc = subprocess.Popen(
-            [sys.executable, RANK, region, str(rows), str(workers), str(rank)],
+            [sys.executable, RANK, region, str(rows), str(workers), str(rank)]
+            + (["replicated"] if replicated else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -196,6 +197,66 @@ def test_a_rank_that_dies_mid_load_releases_the_pins(cluster):
     assert ranks[1].ask(op="load", job=3, gpu=[8, 9, 10, 11], slots=src)["ok"]
     manager.complete_load(keys, ctx)
     assert ranks[1].ask(op="digest", blocks=[8, 9, 10, 11]) == want
+
+
+@pytest.fixture
+def replicated(region_path):
+    """Two ranks whose KV bytes are the same, on a region of one copy per slot."""
+    settings = kv.Settings(
+        num_blocks=8, region_path=region_path, workers=2, block_bytes_per_worker=PAGE,
+        replicated=True,
+    )
+    manager = kv.KvtierOffloadingManager(settings, prefault_threads=1)
+    ranks = [Rank(settings.region_path, 8, 2, r, replicated=True) for r in range(2)]
+    yield manager, ranks, settings
+    for r in ranks:
+        r.close()
+    manager.shutdown()
+
+
+def test_a_replicated_layout_keeps_one_copy_written_once_and_read_by_every_rank(replicated):
+    manager, ranks, settings = replicated
+    assert settings.row_bytes == PAGE, "one part per slot, not one per rank"
+    ctx = base.ReqContext(req_id="r")
+    manager.on_new_request(ctx)
+    keys = [b"r%d" % i for i in range(4)]
+    out = manager.prepare_store(keys, ctx)
+    seal = out.store_spec.generation
+    assert transfer(ranks, "store", 1, [0, 1, 2, 3], slots_of(out.store_spec), seal)
+    manager.complete_store(keys, ctx)
+    assert manager.stats()["unsealed"] == 0, "each slot sealed by its one writer"
+    want = ranks[0].ask(op="digest", blocks=[0, 1, 2, 3])
+    assert ranks[1].ask(op="digest", blocks=[0, 1, 2, 3]) == want, "the ranks hold the same bytes"
+    for r in ranks:
+        r.ask(op="zero", blocks=[8, 9, 10, 11])
+    assert all(manager.lookup(k, ctx) is kv.LookupResult.HIT for k in keys)
+    src = [int(s) for s in manager.prepare_load(keys, ctx).block_ids]
+    assert transfer(ranks, "load", 2, [8, 9, 10, 11], src)
+    manager.complete_load(keys, ctx)
+    for r in ranks:
+        assert r.ask(op="digest", blocks=[8, 9, 10, 11]) == want
+
+
+def test_a_replicated_writer_that_dies_mid_store_leaves_its_blocks_unserved(replicated):
+    manager, ranks, settings = replicated
+    ctx = base.ReqContext(req_id="w")
+    manager.on_new_request(ctx)
+    keys = [b"w%d" % i for i in range(6)]
+    out = manager.prepare_store(keys, ctx)
+    slots, seal = slots_of(out.store_spec), out.store_spec.generation
+    assert ranks[0].ask(op="store", job=1, gpu=list(range(6)), slots=slots, seal=seal)["ok"]
+    ranks[1].ask(op="slow", us=200_000)
+    ranks[1].ask(op="store", job=1, gpu=list(range(6)), slots=slots, seal=seal, wait=False)
+    time.sleep(0.3)  # rank 1 is copying the second of its slots
+    ranks[1].kill()
+    manager.complete_store(keys, ctx)  # vLLM 0.33 completes it as a success anyway
+    mine = {k for k, s in zip(keys, slots) if s % 2 == 1}
+    assert len(mine) == 3 and manager.stats()["unsealed"] == 3
+    for k in keys:
+        want = kv.LookupResult.MISS if k in mine else kv.LookupResult.HIT
+        assert manager.lookup(k, ctx) is want, k
+    manager.on_request_finished(ctx)
+    assert manager.stats()["job_pins"] == 0
 
 
 def test_the_region_is_removed_when_the_scheduler_shuts_down(region_dir):

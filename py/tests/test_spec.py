@@ -13,7 +13,7 @@ import kvtier.vllm as kv
 
 def offloading_config(
     vllm, extra, *, worker_bytes=8192, world=1, rank=0, bpc=1, events=True,
-    model="test/model", tp=None, pp=1, engine_id="engine-0",
+    model="test/model", tp=None, pp=1, engine_id="engine-0", replicated=False,
 ):
     """An ``OffloadingConfig`` as vLLM's connector builds it for one KV cache group."""
     from vllm.v1.kv_offload import config as c
@@ -22,6 +22,7 @@ def offloading_config(
         groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=worker_bytes,
         enable_kv_cache_events=events,
+        replicated_layout=replicated,
         extra_config=extra,
         engine_id=engine_id,
         model=c.OffloadingModelConfig(name=model, dtype="bfloat16", max_model_len=4096),
@@ -258,3 +259,67 @@ print("standalone ok")
     )
     assert out.returncode == 0, out.stderr
     assert "standalone ok" in out.stdout
+
+
+@pytest.fixture
+def cpu_spec(vllm, monkeypatch):
+    """vLLM 0.33's ``CPUOffloadingSpec``, whose constructor sizes vLLM's CPU tier. Its worker
+    module needs vLLM's CUDA kernels, so a stand-in takes its place (the spec only names its
+    class); the platform is made CUDA-like, the only one where vLLM keeps one copy for
+    ``replicated_layout``."""
+    import importlib
+    import sys
+    import types
+
+    stub = types.ModuleType("vllm.v1.kv_offload.cpu.gpu_worker")
+    stub.CPUOffloadingWorker = object
+    monkeypatch.setitem(sys.modules, stub.__name__, stub)
+    monkeypatch.delitem(sys.modules, "vllm.v1.kv_offload.cpu.spec", raising=False)
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: False, raising=False)
+    return importlib.import_module("vllm.v1.kv_offload.cpu.spec").CPUOffloadingSpec
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+@pytest.mark.parametrize(
+    "worker_bytes, world, bpc",
+    [
+        (8192, 1, 1), (8192, 2, 1), (8192, 8, 4),
+        # Not a multiple of a page: vLLM pads the row, not each rank's part.
+        (6000, 2, 1), (18432 * 61, 8, 1), (1000, 3, 3), (4097, 4, 2),
+    ],
+)
+def test_the_slot_count_is_vllms_cpu_tiers(cpu_spec, vllm, tmp_path, worker_bytes, world, bpc,
+                                           replicated):
+    extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm",
+             "cpu_bytes_to_use": 1_000_000_000}
+    config = offloading_config(vllm, extra, worker_bytes=worker_bytes, world=world, bpc=bpc,
+                               replicated=replicated)
+    theirs = cpu_spec(config)
+    ours = kv.Settings.from_vllm(config)
+    assert theirs.replicated_layout is replicated
+    assert ours.num_blocks == theirs.num_chunks
+    assert ours.row_bytes == theirs.kv_bytes_per_chunk
+    if replicated:
+        plain = kv.Settings.from_vllm(
+            offloading_config(vllm, extra, worker_bytes=worker_bytes, world=world, bpc=bpc)
+        )
+        assert ours.parts == 1
+        if worker_bytes * bpc % 4096 == 0:
+            # One copy instead of one per rank: `world` times the blocks (up to rounding).
+            assert world * plain.num_blocks <= ours.num_blocks < world * (plain.num_blocks + 1)
+
+
+def test_a_tier_written_under_another_layout_is_refused(vllm, region_dir, tmp_path):
+    """The file tier's identity records whether the layout is replicated."""
+    tier = tmp_path / "tier"
+    extra = lambda: {**readme_extra(region_dir, tier), "cpu_bytes_to_use": 1 << 20}  # noqa: E731
+    spec = kv.KvtierOffloadingSpec(offloading_config(vllm, extra(), world=2, worker_bytes=4096))
+    spec.get_manager().shutdown()
+    replicated = kv.KvtierOffloadingSpec(
+        offloading_config(vllm, extra(), world=2, worker_bytes=4096, replicated=True)
+    )
+    with pytest.raises(kvtier.TierError):
+        replicated.get_manager()

@@ -391,10 +391,21 @@ class Settings:
     #: vLLM's CPU tier reports it (``None``: the length or the groups are not known).
     kv_cache_size_tokens: int | None = None
 
+    #: vLLM's ``replicated_layout``: every rank's KV bytes are the same (a pure-MLA model
+    #: under tensor parallelism), so a slot holds one copy, not one part per rank. Rank
+    #: ``slot % workers`` writes and seals a slot's block; every rank reads it.
+    replicated: bool = False
+
+    @property
+    def parts(self) -> int:
+        """Parts of a slot: one per rank, or one in a replicated layout."""
+        return 1 if self.replicated else self.workers
+
     @property
     def row_bytes(self) -> int:
-        """Bytes of one slot: every worker's page-aligned part."""
-        return self.workers * _page_align(self.block_bytes_per_worker)
+        """Bytes of one slot: its parts one after another, rounded up to a page (as vLLM's
+        CPU tier sizes its rows)."""
+        return _page_align(self.parts * self.block_bytes_per_worker)
 
     @classmethod
     def from_vllm(cls, config: Any) -> Settings:
@@ -428,7 +439,10 @@ class Settings:
                 f"({worker_bytes} bytes, {workers} workers)"
             )
         per_worker = worker_bytes * bpc
-        row = workers * _page_align(per_worker)
+        # vLLM decides whether every rank's bytes are the same (pure MLA under TP); kvtier's
+        # region is shared on every platform, so it keeps one copy whenever vLLM says so.
+        replicated = bool(_opt(config, "replicated_layout", False))
+        row = _page_align((1 if replicated else workers) * per_worker)
         num_blocks = cpu_bytes // row
         if num_blocks < 1:
             raise ConfigError(
@@ -463,6 +477,7 @@ class Settings:
             num_blocks=num_blocks,
             policy=policy,
             workers=workers,
+            replicated=replicated,
             rank=int(_need(par, "rank")),
             pipeline_stages=int(_opt(par, "pp_size", 1) or 1),
             block_bytes_per_worker=per_worker,
@@ -530,7 +545,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
             policy=settings.policy,
             region_path=settings.region_path,
             block_bytes_per_worker=settings.block_bytes_per_worker,
-            workers=settings.workers,
+            workers=settings.parts,
             answers=(
                 LookupResult.MISS,
                 LookupResult.HIT,
@@ -826,12 +841,14 @@ class KvtierOffloadingWorker(_base.OffloadingWorker):
             device = torch.device("cuda", self._device)
             self._stream = lambda: torch.cuda.current_stream(device).cuda_stream
         self._stores: set[int] = set()
+        rank = settings.rank if rank is None else rank
         self._native = _native.Worker(
             region_path=settings.region_path,
             rows=settings.num_blocks,
-            workers=settings.workers,
+            workers=settings.parts,
             block_bytes_per_worker=settings.block_bytes_per_worker,
-            rank=settings.rank if rank is None else rank,
+            rank=0 if settings.replicated else rank,
+            store_share=(rank, settings.workers) if settings.replicated else None,
             groups=groups,
             blocks_per_chunk=settings.blocks_per_chunk,
             attach_timeout_s=settings.attach_timeout_s,
