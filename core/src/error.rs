@@ -68,6 +68,15 @@ pub enum Error {
         /// The job.
         job: JobId,
     },
+    /// A hosted tier was given a job that names a primary slot an outstanding job writes,
+    /// or, for a load, reads: the two would race on the slot's bytes.
+    #[error("{job} names slot {} that an outstanding job is using", slot.0)]
+    SlotBusy {
+        /// The job.
+        job: JobId,
+        /// The slot.
+        slot: crate::key::SlotId,
+    },
     /// A tier id beyond the configured tiers.
     #[error("{tier} is not configured")]
     UnknownTier {

@@ -1,18 +1,22 @@
-//! One secondary tier driven by another engine's tiering manager (rules G1–G10).
+//! One secondary tier driven by another engine's tiering manager (rules G1–G15).
 //!
 //! vLLM 0.33's `TieringOffloadingSpec` owns the primary tier and calls each secondary tier
 //! through its `SecondaryTierManager` interface. [`HostedTier`] is a kvtier tier index (T1–T15)
 //! behind those calls: the host names jobs and primary slots, the tier decides what it holds,
-//! what it evicts and which reads may start, and says so as [`Effect`]s for the IO layer.
+//! what it evicts and which reads may start, and says so as [`Effect`]s for the IO layer. It
+//! also keeps the tier's health (a tier that keeps failing is skipped until a probe finds it
+//! well) and a deadline on `Retry` answers, so a tier whose IO hangs never holds the host's
+//! requests.
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::format;
 use alloc::vec::Vec;
 
-use crate::config::{TierConfig, TierKind};
+use crate::config::{HealthConfig, TierConfig, TierKind};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{Effect, Event, EventKind, Job, JobKind, JobResult, Medium, Outcome, Transfer};
 use crate::key::{JobId, Key, RequestId, SlotId, TierId};
+use crate::stats::Health;
 use crate::tier::{EntryState, ReadEnd, TierAnswer, TierIndex};
 
 /// A hosted tier's answer to a lookup, with vLLM 0.33's `LookupResult` meanings.
@@ -20,10 +24,33 @@ use crate::tier::{EntryState, ReadEnd, TierAnswer, TierIndex};
 pub enum HostedLookup {
     /// The tier holds the block; the host may promote it in this step (G1).
     Hit,
-    /// The tier does not hold it (G3), or cannot ask (G4).
+    /// The tier does not hold it, cannot ask, is Down, or waited too long (G3, G4, G11, G12).
     Miss,
     /// The block is being written or probed: ask again later (G2, G4).
     Retry,
+}
+
+/// How a hosted tier is set up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostedConfig {
+    /// Its kind, capacity, policy and probe bounds.
+    pub tier: TierConfig,
+    /// When it goes Down, and how often a Down tier is probed (G12–G14).
+    pub health: HealthConfig,
+    /// How long (in the clock's units) a block may answer `Retry` before it answers `Miss`
+    /// (G11); `None`: for as long as its write or probe runs.
+    pub wait_deadline: Option<u64>,
+}
+
+impl HostedConfig {
+    /// `tier` with the default health rules and no deadline.
+    pub fn new(tier: TierConfig) -> Self {
+        HostedConfig {
+            tier,
+            health: HealthConfig::default(),
+            wait_deadline: None,
+        }
+    }
 }
 
 /// The end of one host job (G5–G8): vLLM's `JobResult`.
@@ -56,24 +83,33 @@ pub struct HostedStats {
     pub misses: u64,
     /// Lookups answered `Retry`.
     pub retries: u64,
+    /// Lookups answered `Miss` because the block had been busy for longer than the
+    /// deadline (G11).
+    pub wait_timeouts: u64,
     /// Blocks written.
     pub blocks_stored: u64,
     /// Blocks a store offered that the tier already held or was writing (G5).
     pub blocks_already_held: u64,
     /// Blocks a store offered for which no room could be made (G5).
     pub blocks_skipped_full: u64,
+    /// Blocks a store offered while the tier was Down (G12).
+    pub blocks_skipped_down: u64,
     /// Blocks evicted for room.
     pub blocks_evicted: u64,
     /// Blocks whose write failed.
     pub store_failures: u64,
     /// Blocks read into the host's primary.
     pub blocks_loaded: u64,
-    /// Blocks a load named that could not be read (not Present, failed, gone).
+    /// Blocks a load named that could not be read (not Present, failed, Down).
     pub load_failures: u64,
+    /// Blocks a load found gone from a shared store (T15; counted in `load_failures` too).
+    pub load_missing: u64,
     /// Existence probes submitted (shared tiers).
     pub probes: u64,
     /// Lookups answered `Miss` because the probe bound was reached.
     pub probes_skipped: u64,
+    /// Times the tier went Down.
+    pub times_down: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -83,30 +119,47 @@ enum HostJob {
         entries: Vec<u32>,
         /// Their keys.
         keys: Vec<Key>,
+        /// The primary slots it reads.
+        slots: Vec<SlotId>,
     },
     Load {
         /// Every key the host named, in its order.
         keys: Vec<Key>,
         /// Per key, the entry being read, or `None` if it failed at once (G6).
         reads: Vec<Option<u32>>,
+        /// The primary slots it writes.
+        slots: Vec<SlotId>,
     },
 }
 
-/// Probe job ids have the top bit set; host job ids must not.
-const PROBE_BIT: u64 = 1 << 63;
+/// The tier's own job ids (probes, health checks) have the top bit set; host job ids must
+/// not.
+const OWN_BIT: u64 = 1 << 63;
 
-/// One secondary tier under a host's tiering manager (G1–G10). See `docs/state-machine.md`.
+/// One secondary tier under a host's tiering manager (G1–G15). See `docs/state-machine.md`.
 #[derive(Clone, Debug)]
 pub struct HostedTier {
     index: TierIndex,
-    config: TierConfig,
+    config: HostedConfig,
     step: u64,
+    clock: u64,
     jobs: BTreeMap<JobId, HostJob>,
     /// Existence probes in flight: job → key.
     probes: BTreeMap<JobId, Key>,
-    next_probe: u64,
+    next_own: u64,
     /// Entries held by this step's `Hit` answers (G1).
     holds: BTreeSet<u32>,
+    /// When each Writing or Probing key became busy, on the clock (G11).
+    busy_since: BTreeMap<Key, u64>,
+    /// Entries whose read failed while other readers still held them: dropped, as that read
+    /// ends them, when the last reader ends (G15).
+    doomed: BTreeMap<u32, ReadEnd>,
+    /// Primary slots written by outstanding loads, and read by outstanding stores (G10).
+    loading: BTreeSet<SlotId>,
+    storing: BTreeMap<SlotId, u32>,
+    health: Health,
+    failures: u32,
+    health_job: Option<JobId>,
     effects: VecDeque<Effect>,
     finished: VecDeque<HostedResult>,
     events: Vec<Event>,
@@ -114,16 +167,24 @@ pub struct HostedTier {
 }
 
 impl HostedTier {
-    /// An empty tier; `config.kind` says whether other nodes write it too.
-    pub fn new(config: TierConfig) -> Self {
+    /// An empty tier, Up; `config.tier.kind` says whether other nodes write it too.
+    pub fn new(config: HostedConfig) -> Self {
         HostedTier {
-            index: TierIndex::new(TierId(0), &config),
+            index: TierIndex::new(TierId(0), &config.tier),
             config,
             step: 0,
+            clock: 0,
             jobs: BTreeMap::new(),
             probes: BTreeMap::new(),
-            next_probe: 0,
+            next_own: 0,
             holds: BTreeSet::new(),
+            busy_since: BTreeMap::new(),
+            doomed: BTreeMap::new(),
+            loading: BTreeSet::new(),
+            storing: BTreeMap::new(),
+            health: Health::Up,
+            failures: 0,
+            health_job: None,
             effects: VecDeque::new(),
             finished: VecDeque::new(),
             events: Vec::new(),
@@ -141,60 +202,64 @@ impl HostedTier {
         self.stats
     }
 
+    /// Up, Down or Probing (G12–G14).
+    pub fn health(&self) -> Health {
+        self.health
+    }
+
     /// Host jobs not yet ended.
     pub fn outstanding(&self) -> usize {
         self.jobs.len()
     }
 
-    /// Jobs the IO layer runs now (host jobs and probes).
+    /// Jobs the IO layer runs now (host jobs, probes, a health check).
     pub fn in_flight(&self) -> usize {
-        self.jobs.len() + self.probes.len()
+        self.jobs.len() + self.probes.len() + usize::from(self.health_job.is_some())
+    }
+
+    /// Whether the tier is shared by other nodes (a Redis tier) or only this one's.
+    pub fn kind(&self) -> TierKind {
+        self.config.tier.kind
+    }
+
+    /// The time, in the units of `wait_deadline`; it never goes back (as W1).
+    pub fn set_clock(&mut self, now: u64) {
+        self.clock = self.clock.max(now);
     }
 
     /// Records the blocks a reopened store holds, oldest first, as Present up to the capacity.
     /// The keys that did not fit are deleted (an `Effect::Delete`).
     pub fn restore(&mut self, keys: impl IntoIterator<Item = Key>) {
         let rejected = self.index.restore(keys);
-        let delete = self.index.to_delete(rejected);
-        if !delete.is_empty() {
+        self.delete(rejected);
+    }
+
+    fn delete(&mut self, keys: Vec<Key>) {
+        let keys = self.index.to_delete(keys);
+        if !keys.is_empty() {
             self.effects.push_back(Effect::Delete {
                 tier: TierId(0),
-                keys: delete,
+                keys,
             });
         }
     }
 
-    /// G1–G4.
+    fn own_job(&mut self) -> JobId {
+        let id = JobId(OWN_BIT | self.next_own);
+        self.next_own += 1;
+        id
+    }
+
+    fn up(&self) -> bool {
+        self.health == Health::Up
+    }
+
+    /// G1–G4, G11, G12, G15.
     pub fn lookup(&mut self, key: &Key) -> HostedLookup {
-        let (answer, id) = self.index.lookup_entry(key, self.step);
-        let answer = match answer {
-            TierAnswer::Present => {
-                let id = id.expect("a Present answer names its entry");
-                if !crate::mutant::active("no_hold") && self.holds.insert(id) {
-                    self.index.start_read(id);
-                }
-                HostedLookup::Hit
-            }
-            TierAnswer::Busy => HostedLookup::Retry,
-            TierAnswer::Absent => HostedLookup::Miss,
-            TierAnswer::Unknown => {
-                if self.probes.len() >= self.config.max_outstanding_probes as usize {
-                    self.stats.probes_skipped += 1;
-                    HostedLookup::Miss
-                } else {
-                    let job = JobId(PROBE_BIT | self.next_probe);
-                    self.next_probe += 1;
-                    self.index.start_probe(key.clone(), job);
-                    self.probes.insert(job, key.clone());
-                    self.stats.probes += 1;
-                    self.effects.push_back(Effect::Submit(Job {
-                        id: job,
-                        tier: TierId(0),
-                        kind: JobKind::Exists { key: key.clone() },
-                    }));
-                    HostedLookup::Retry
-                }
-            }
+        let answer = if self.up() {
+            self.lookup_up(key)
+        } else {
+            HostedLookup::Miss
         };
         match answer {
             HostedLookup::Hit => self.stats.hits += 1,
@@ -205,6 +270,50 @@ impl HostedTier {
         answer
     }
 
+    fn lookup_up(&mut self, key: &Key) -> HostedLookup {
+        let (answer, id) = self.index.lookup_entry(key, self.step);
+        match answer {
+            TierAnswer::Present => {
+                let id = id.expect("a Present answer names its entry");
+                if self.doomed.contains_key(&id) {
+                    return HostedLookup::Miss;
+                }
+                if !crate::mutant::active("no_hold") && self.holds.insert(id) {
+                    self.index.start_read(id);
+                }
+                HostedLookup::Hit
+            }
+            TierAnswer::Busy => {
+                let since = self.busy_since.get(key).copied().unwrap_or(self.clock);
+                match self.config.wait_deadline {
+                    Some(d) if self.clock.saturating_sub(since) > d => {
+                        self.stats.wait_timeouts += 1;
+                        HostedLookup::Miss
+                    }
+                    _ => HostedLookup::Retry,
+                }
+            }
+            TierAnswer::Absent => HostedLookup::Miss,
+            TierAnswer::Unknown => {
+                if self.probes.len() >= self.config.tier.max_outstanding_probes as usize {
+                    self.stats.probes_skipped += 1;
+                    return HostedLookup::Miss;
+                }
+                let job = self.own_job();
+                self.index.start_probe(key.clone(), job);
+                self.probes.insert(job, key.clone());
+                self.busy_since.insert(key.clone(), self.clock);
+                self.stats.probes += 1;
+                self.effects.push_back(Effect::Submit(Job {
+                    id: job,
+                    tier: TierId(0),
+                    kind: JobKind::Exists { key: key.clone() },
+                }));
+                HostedLookup::Retry
+            }
+        }
+    }
+
     /// Debug builds check I13 after every change, as the manager checks its invariants.
     fn debug_check(&self) {
         #[cfg(debug_assertions)]
@@ -213,25 +322,38 @@ impl HostedTier {
         }
     }
 
-    /// G10: a job id the host may use now, and blocks with distinct keys.
-    fn admit(&self, job: JobId, blocks: &[(Key, SlotId)]) -> Result<(), Error> {
-        if job.0 & PROBE_BIT != 0 || self.jobs.contains_key(&job) {
+    /// G10: a job id the host may use now, distinct keys and slots, and no slot that an
+    /// outstanding job writes, or (for a load) reads.
+    fn admit(&self, job: JobId, blocks: &[(Key, SlotId)], load: bool) -> Result<(), Error> {
+        if job.0 & OWN_BIT != 0 || self.jobs.contains_key(&job) {
             return Err(Error::JobInUse { job });
         }
-        let distinct: BTreeSet<&Key> = blocks.iter().map(|(k, _)| k).collect();
-        if distinct.len() != blocks.len() {
+        let keys: BTreeSet<&Key> = blocks.iter().map(|(k, _)| k).collect();
+        let slots: BTreeSet<SlotId> = blocks.iter().map(|(_, s)| *s).collect();
+        if keys.len() != blocks.len() || slots.len() != blocks.len() {
             return Err(Error::InvalidOutcome {
                 job,
-                reason: "a job names a block twice",
+                reason: "a job names a block or a slot twice",
             });
+        }
+        if let Some(&slot) = slots
+            .iter()
+            .find(|s| self.loading.contains(s) || (load && self.storing.contains_key(s)))
+        {
+            return Err(Error::SlotBusy { job, slot });
         }
         Ok(())
     }
 
-    /// G5: the host stores `blocks` (key, primary slot) from its primary into the tier.
+    /// G5, G12: the host stores `blocks` (key, primary slot) from its primary into the tier.
     pub fn submit_store(&mut self, job: JobId, blocks: &[(Key, SlotId)]) -> Result<(), Error> {
-        self.admit(job, blocks)?;
+        self.admit(job, blocks, false)?;
         self.stats.store_jobs += 1;
+        if !self.up() {
+            self.stats.blocks_skipped_down += blocks.len() as u64;
+            self.end_at_once(job, false, false);
+            return Ok(());
+        }
         let transfers: Vec<Transfer> = blocks
             .iter()
             .map(|(key, slot)| Transfer {
@@ -243,29 +365,25 @@ impl HostedTier {
         self.stats.blocks_already_held += plan.held as u64;
         self.stats.blocks_skipped_full += plan.full as u64;
         self.stats.blocks_evicted += plan.evicted.len() as u64;
-        let delete = self.index.to_delete(plan.evicted);
-        if !delete.is_empty() {
-            self.effects.push_back(Effect::Delete {
-                tier: TierId(0),
-                keys: delete,
-            });
-        }
+        self.delete(plan.evicted);
         if plan.writes.is_empty() {
-            self.finished.push_back(HostedResult {
-                job,
-                success: true,
-                succeeded: None,
-                blocks: 0,
-                load: false,
-            });
+            self.end_at_once(job, true, false);
             return Ok(());
         }
-        let keys = plan.writes.iter().map(|t| t.key.clone()).collect();
+        let keys: Vec<Key> = plan.writes.iter().map(|t| t.key.clone()).collect();
+        let slots: Vec<SlotId> = plan.writes.iter().map(|t| t.slot).collect();
+        for k in &keys {
+            self.busy_since.insert(k.clone(), self.clock);
+        }
+        for s in &slots {
+            *self.storing.entry(*s).or_default() += 1;
+        }
         self.jobs.insert(
             job,
             HostJob::Store {
                 entries: plan.entries,
                 keys,
+                slots,
             },
         );
         self.effects.push_back(Effect::Submit(Job {
@@ -280,15 +398,26 @@ impl HostedTier {
         Ok(())
     }
 
-    /// G6: the host loads `blocks` (key, primary slot) from the tier into its primary.
+    fn end_at_once(&mut self, job: JobId, success: bool, load: bool) {
+        self.finished.push_back(HostedResult {
+            job,
+            success,
+            succeeded: None,
+            blocks: 0,
+            load,
+        });
+    }
+
+    /// G6, G12, G15: the host loads `blocks` (key, primary slot) from the tier into its
+    /// primary.
     pub fn submit_load(&mut self, job: JobId, blocks: &[(Key, SlotId)]) -> Result<(), Error> {
-        self.admit(job, blocks)?;
+        self.admit(job, blocks, true)?;
         self.stats.load_jobs += 1;
         let mut reads = Vec::with_capacity(blocks.len());
         let mut transfers = Vec::with_capacity(blocks.len());
         for (key, slot) in blocks {
             match self.index.lookup_entry(key, self.step) {
-                (TierAnswer::Present, Some(id)) => {
+                (TierAnswer::Present, Some(id)) if self.up() && !self.doomed.contains_key(&id) => {
                     self.index.start_read(id);
                     reads.push(Some(id));
                     transfers.push(Transfer {
@@ -302,18 +431,14 @@ impl HostedTier {
                 }
             }
         }
-        let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
         if transfers.is_empty() {
-            self.finished.push_back(HostedResult {
-                job,
-                success: false,
-                succeeded: None,
-                blocks: 0,
-                load: true,
-            });
+            self.end_at_once(job, false, true);
             return Ok(());
         }
-        self.jobs.insert(job, HostJob::Load { keys, reads });
+        let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
+        let slots: Vec<SlotId> = transfers.iter().map(|t| t.slot).collect();
+        self.loading.extend(slots.iter().copied());
+        self.jobs.insert(job, HostJob::Load { keys, reads, slots });
         self.effects.push_back(Effect::Submit(Job {
             id: job,
             tier: TierId(0),
@@ -326,9 +451,20 @@ impl HostedTier {
         Ok(())
     }
 
-    /// G7, G8, T5, T6: the IO layer's result of a job it was given.
+    /// G7, G8, G12–G15, T5, T6: the IO layer's result of a job it was given.
     pub fn handle_job_result(&mut self, result: JobResult) -> Result<(), Error> {
         let job = result.job;
+        if self.health_job == Some(job) {
+            self.health_job = None;
+            if result.outcome == Outcome::Ok {
+                self.health = Health::Up; // G14
+                self.failures = 0;
+            } else {
+                self.health = Health::Down { since: self.step };
+            }
+            self.debug_check();
+            return Ok(());
+        }
         if let Some(key) = self.probes.get(&job) {
             let found = match result.outcome {
                 Outcome::Ok => Some(true),
@@ -343,45 +479,40 @@ impl HostedTier {
             };
             let key = key.clone();
             self.probes.remove(&job);
+            self.busy_since.remove(&key);
             let evicted = self
                 .index
                 .finish_probe(&key, found, self.step, &mut self.events);
             self.stats.blocks_evicted += evicted.len() as u64;
-            let delete = self.index.to_delete(evicted);
-            if !delete.is_empty() {
-                self.effects.push_back(Effect::Delete {
-                    tier: TierId(0),
-                    keys: delete,
-                });
-            }
+            self.delete(evicted);
+            self.count_health(found.is_none());
+            self.debug_check();
             return Ok(());
         }
         let Some(host_job) = self.jobs.get(&job) else {
             return Err(Error::UnknownJob { job });
         };
+        let carried: BTreeSet<&Key> = match host_job {
+            HostJob::Store { keys, .. } => keys.iter().collect(),
+            HostJob::Load { keys, reads, .. } => keys
+                .iter()
+                .zip(reads)
+                .filter(|(_, r)| r.is_some())
+                .map(|(k, _)| k)
+                .collect(),
+        };
         // Which of the job's blocks moved; the rest failed, or (a shared store's loads) are
         // gone from the store.
-        let (moved, missing): (BTreeSet<&Key>, BTreeSet<&Key>) = match &result.outcome {
-            Outcome::Ok => match host_job {
-                HostJob::Store { keys, .. } => (keys.iter().collect(), BTreeSet::new()),
-                HostJob::Load { keys, reads } => (
-                    keys.iter()
-                        .zip(reads)
-                        .filter(|(_, r)| r.is_some())
-                        .map(|(k, _)| k)
-                        .collect(),
-                    BTreeSet::new(),
-                ),
-            },
+        let (moved, missing): (BTreeSet<Key>, BTreeSet<Key>) = match &result.outcome {
+            Outcome::Ok => (
+                carried.iter().map(|&k| k.clone()).collect(),
+                BTreeSet::new(),
+            ),
             Outcome::Failed => (BTreeSet::new(), BTreeSet::new()),
             Outcome::NotFound => match host_job {
-                HostJob::Load { keys, reads } => (
+                HostJob::Load { .. } => (
                     BTreeSet::new(),
-                    keys.iter()
-                        .zip(reads)
-                        .filter(|(_, r)| r.is_some())
-                        .map(|(k, _)| k)
-                        .collect(),
+                    carried.iter().map(|&k| k.clone()).collect(),
                 ),
                 HostJob::Store { .. } => {
                     return Err(Error::InvalidOutcome {
@@ -391,15 +522,6 @@ impl HostedTier {
                 }
             },
             Outcome::Partial { succeeded, missing } => {
-                let carried: BTreeSet<&Key> = match host_job {
-                    HostJob::Store { keys, .. } => keys.iter().collect(),
-                    HostJob::Load { keys, reads } => keys
-                        .iter()
-                        .zip(reads)
-                        .filter(|(_, r)| r.is_some())
-                        .map(|(k, _)| k)
-                        .collect(),
-                };
                 if let Some(k) = succeeded
                     .iter()
                     .chain(missing)
@@ -410,17 +532,31 @@ impl HostedTier {
                         key: k.clone(),
                     });
                 }
-                (succeeded.iter().collect(), missing.iter().collect())
+                (
+                    succeeded.iter().cloned().collect(),
+                    missing.iter().cloned().collect(),
+                )
             }
         };
-        let moved: BTreeSet<Key> = moved.into_iter().cloned().collect();
-        let missing: BTreeSet<Key> = missing.into_iter().cloned().collect();
         let host_job = self.jobs.remove(&job).expect("looked up above");
         let ended = match host_job {
-            HostJob::Store { entries, keys } => {
+            HostJob::Store {
+                entries,
+                keys,
+                slots,
+            } => {
+                for s in slots {
+                    if let Some(n) = self.storing.get_mut(&s) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.storing.remove(&s);
+                        }
+                    }
+                }
                 let total = keys.len();
                 let mut stored = Vec::new();
                 for (id, key) in entries.into_iter().zip(keys) {
+                    self.busy_since.remove(&key);
                     let ok = moved.contains(&key);
                     self.index.finish_write(id, ok);
                     if ok {
@@ -430,7 +566,6 @@ impl HostedTier {
                     }
                 }
                 let written = stored.len();
-                let all = written == total;
                 self.stats.blocks_stored += written as u64;
                 if !stored.is_empty() {
                     self.events.push(Event {
@@ -439,42 +574,39 @@ impl HostedTier {
                         keys: stored,
                     });
                 }
+                self.count_health(written < total);
                 HostedResult {
                     job,
-                    success: all,
+                    success: written == total,
                     succeeded: None,
                     blocks: written as u32,
                     load: false,
                 }
             }
-            HostJob::Load { keys, reads } => {
+            HostJob::Load { keys, reads, slots } => {
+                for s in &slots {
+                    self.loading.remove(s);
+                }
                 let mut read = Vec::new();
-                let mut delete = Vec::new();
+                let mut failed = false;
                 for (key, entry) in keys.iter().zip(&reads) {
                     let Some(id) = *entry else { continue };
                     let end = if moved.contains(key) {
+                        read.push(key.clone());
                         ReadEnd::Ok
                     } else if missing.contains(key) {
+                        self.stats.load_failures += 1;
+                        self.stats.load_missing += 1;
                         ReadEnd::Missing
                     } else {
+                        self.stats.load_failures += 1;
+                        failed = true;
                         ReadEnd::Failed
                     };
-                    if end == ReadEnd::Ok {
-                        read.push(key.clone());
-                    } else {
-                        self.stats.load_failures += 1;
-                    }
-                    if let Some(k) = self.index.end_read(id, end, self.step) {
-                        delete.push(k);
-                    }
-                }
-                if !delete.is_empty() {
-                    self.effects.push_back(Effect::Delete {
-                        tier: TierId(0),
-                        keys: delete,
-                    });
+                    self.end_read(id, end);
                 }
                 self.stats.blocks_loaded += read.len() as u64;
+                self.count_health(failed);
                 let blocks = read.len() as u32;
                 let success = read.len() == keys.len();
                 HostedResult {
@@ -491,19 +623,74 @@ impl HostedTier {
         Ok(())
     }
 
+    /// One read of entry `id` ended (T11, T15, G15): a block whose read failed is dropped once
+    /// its last reader ends, and answers `Miss` until then.
+    fn end_read(&mut self, id: u32, end: ReadEnd) {
+        let key = self.index.key_of(id).expect("a read entry is live").clone();
+        let end = match (end, self.doomed.get(&id)) {
+            (ReadEnd::Failed | ReadEnd::Missing, _) => end,
+            (_, Some(&doomed)) => doomed,
+            (_, None) => end,
+        };
+        let deleted = self.index.end_read(id, end, self.step);
+        if self.index.state_of(&key).is_some() {
+            if matches!(end, ReadEnd::Failed | ReadEnd::Missing) {
+                self.doomed.insert(id, end);
+            }
+            return;
+        }
+        // Dropped: this node no longer holds it.
+        self.doomed.remove(&id);
+        self.events.push(Event {
+            medium: Medium::Tier(TierId(0)),
+            kind: EventKind::Removed,
+            keys: alloc::vec![key],
+        });
+        if let Some(k) = deleted {
+            self.effects.push_back(Effect::Delete {
+                tier: TierId(0),
+                keys: alloc::vec![k],
+            });
+        }
+    }
+
+    /// G12, G13: a job ended with or without a failure.
+    fn count_health(&mut self, failed: bool) {
+        if !failed {
+            self.failures = 0;
+            return;
+        }
+        self.failures += 1;
+        if self.up() && self.failures >= self.config.health.failures_to_down.max(1) {
+            self.health = Health::Down { since: self.step };
+            self.stats.times_down += 1;
+        }
+    }
+
     /// T12: the host used `keys` (first to last).
     pub fn touch(&mut self, keys: &[Key]) {
         self.index.touch(keys);
     }
 
-    /// G9: the host's step ended.
+    /// G9, G14: the host's step ended.
     pub fn end_step(&mut self) {
         for id in core::mem::take(&mut self.holds) {
-            let released = self.index.end_read(id, ReadEnd::Cancelled, self.step);
-            debug_assert!(released.is_none(), "a cancelled read deletes nothing");
+            self.end_read(id, ReadEnd::Cancelled);
         }
         self.step += 1;
         self.index.expire(self.step);
+        if let Health::Down { since } = self.health
+            && self.step.saturating_sub(since) >= u64::from(self.config.health.probe_interval_steps)
+        {
+            let job = self.own_job();
+            self.health = Health::Probing;
+            self.health_job = Some(job);
+            self.effects.push_back(Effect::Submit(Job {
+                id: job,
+                tier: TierId(0),
+                kind: JobKind::Health,
+            }));
+        }
         self.debug_check();
     }
 
@@ -528,10 +715,18 @@ impl HostedTier {
         let (writing, readers) = self.index.writing_and_readers();
         let mut want_writing = BTreeSet::new();
         let mut want_readers: BTreeMap<&Key, u32> = BTreeMap::new();
+        let mut want_loading = BTreeSet::new();
+        let mut want_storing: BTreeMap<SlotId, u32> = BTreeMap::new();
         for job in self.jobs.values() {
             match job {
-                HostJob::Store { keys, .. } => want_writing.extend(keys.iter()),
-                HostJob::Load { keys, reads } => {
+                HostJob::Store { keys, slots, .. } => {
+                    want_writing.extend(keys.iter());
+                    for s in slots {
+                        *want_storing.entry(*s).or_default() += 1;
+                    }
+                }
+                HostJob::Load { keys, reads, slots } => {
+                    want_loading.extend(slots.iter().copied());
                     for (k, r) in keys.iter().zip(reads) {
                         if r.is_some() {
                             *want_readers.entry(k).or_default() += 1;
@@ -566,6 +761,19 @@ impl HostedTier {
             readers.len(),
             want_readers.len()
         );
+        for &id in self.doomed.keys() {
+            let key = self.index.key_of(id);
+            ensure!(
+                key.is_some_and(|k| readers.contains_key(k)),
+                "I13",
+                "doomed entry {id} has no reader left"
+            );
+        }
+        ensure!(
+            self.loading == want_loading && self.storing == want_storing,
+            "I13",
+            "the slots in use differ from the outstanding jobs'"
+        );
         for (job, key) in &self.probes {
             ensure!(
                 self.index.is_probing(key),
@@ -580,21 +788,29 @@ impl HostedTier {
             self.index.probes_outstanding(),
             self.probes.len()
         );
+        for key in self.busy_since.keys() {
+            ensure!(
+                writing.contains(key) || self.index.is_probing(key),
+                "I13",
+                "{key} has a busy time but is neither written nor probed"
+            );
+        }
+        ensure!(
+            (self.health == Health::Probing) == self.health_job.is_some(),
+            "I13",
+            "health {:?} with health job {:?}",
+            self.health,
+            self.health_job
+        );
         Ok(())
-    }
-}
-
-impl HostedTier {
-    /// Whether the tier is shared by other nodes (a Redis tier) or only this one's.
-    pub fn kind(&self) -> TierKind {
-        self.config.kind
     }
 
     /// A one-line summary for logs.
     pub fn describe(&self) -> alloc::string::String {
         format!(
-            "{:?} tier: {} of {} blocks, {} jobs, {} probes",
-            self.config.kind,
+            "{:?} tier, {:?}: {} of {} blocks, {} jobs, {} probes",
+            self.config.tier.kind,
+            self.health,
             self.index.len(),
             self.index.capacity(),
             self.jobs.len(),

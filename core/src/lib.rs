@@ -83,7 +83,7 @@ pub use error::{Error, Violation};
 pub use event::{
     Effect, Event, EventKind, Job, JobKind, JobResult, Lookup, Medium, Outcome, Transfer,
 };
-pub use hosted::{HostedLookup, HostedResult, HostedStats, HostedTier};
+pub use hosted::{HostedConfig, HostedLookup, HostedResult, HostedStats, HostedTier};
 pub use key::{JobId, Key, RequestId, SlotId, TierId};
 pub use manager::Manager;
 pub use primary::{BlockState, Metrics, PreparedStore, Primary};

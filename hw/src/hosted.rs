@@ -1,5 +1,5 @@
 //! One kvtier store as a secondary tier of another engine's tiering manager: the core's
-//! [`HostedTier`] (rules G1–G10), the store's IO threads, and the host's primary memory.
+//! [`HostedTier`] (rules G1–G15), the store's IO threads, and the host's primary memory.
 //!
 //! vLLM 0.33's `TieringOffloadingSpec` hands each secondary tier a view of its primary tier's
 //! memory and names primary slots in each job; [`HostRows`] is that memory, and
@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_core::{
-    Effect, Event, HostedLookup, HostedStats, HostedTier, JobId, Key, Outcome, SlotId, TierConfig,
-    TierId,
+    Effect, Event, Health, HostedConfig, HostedLookup, HostedStats, HostedTier, JobId, Key,
+    Outcome, SlotId, TierId,
 };
 
 use crate::engine::{Completion, Completions};
@@ -168,19 +168,24 @@ pub struct HostedDriver {
     io_of: HashMap<JobId, (u64, f64)>,
     stats: HostedIoStats,
     last_error: Option<String>,
+    /// The core's clock is in milliseconds since this instant (G11).
+    started: Instant,
+    /// Set when `shutdown` left jobs running: their threads are not joined, and the host's
+    /// memory must stay mapped.
+    detached: bool,
 }
 
 impl HostedDriver {
-    /// Runs `store` as one tier of `config`'s capacity and policy over the host's `rows`,
-    /// with `threads` IO threads. The blocks the store recovered are restored (oldest first,
-    /// up to the capacity; the rest are deleted).
+    /// Runs `store` as one tier of `config`'s capacity, policy, health rules and deadline (in
+    /// milliseconds) over the host's `rows`, with `threads` IO threads. The blocks the store
+    /// recovered are restored (oldest first, up to the capacity; the rest are deleted).
     pub fn new(
         store: Arc<dyn SecondaryStore>,
-        config: TierConfig,
+        config: HostedConfig,
         rows: HostRows,
         threads: usize,
     ) -> Result<Self, HwError> {
-        if config.capacity_blocks == 0 {
+        if config.tier.capacity_blocks == 0 {
             return Err(HwError::Setup("a tier of no blocks".into()));
         }
         let mut core = HostedTier::new(config);
@@ -202,6 +207,8 @@ impl HostedDriver {
             io_of: HashMap::new(),
             stats: HostedIoStats::default(),
             last_error: None,
+            started: Instant::now(),
+            detached: false,
         };
         d.pump();
         Ok(d)
@@ -212,14 +219,22 @@ impl HostedDriver {
         self.store.name()
     }
 
+    /// Up, Down or Probing (G12–G14).
+    pub fn health(&self) -> Health {
+        self.core.health()
+    }
+
     /// Blocks the tier holds or writes, and its capacity.
     pub fn usage(&self) -> (usize, u32) {
         (self.core.index().len(), self.core.index().capacity())
     }
 
-    /// G1–G4, after taking the completions that arrived (a finished write answers `Hit`).
+    /// G1–G4, G11, G12, after taking the completions that arrived (a finished write answers
+    /// `Hit`) and setting the core's clock.
     pub fn lookup(&mut self, key: &Key) -> HostedLookup {
         self.collect();
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.core.set_clock(now);
         let answer = self.core.lookup(key);
         self.pump();
         answer
@@ -280,10 +295,13 @@ impl HostedDriver {
     /// at most `timeout`. A job is never abandoned halfway: on timeout the jobs still run,
     /// and the error says how many.
     pub fn drain(&mut self, timeout: Duration) -> Result<(), HwError> {
-        let until = Instant::now() + timeout;
+        // A bound beyond the clock's range waits without one.
+        let until = Instant::now().checked_add(timeout);
         self.collect();
         while self.core.in_flight() > 0 {
-            let left = until.saturating_duration_since(Instant::now());
+            let left = until.map_or(Duration::MAX, |u| {
+                u.saturating_duration_since(Instant::now())
+            });
             if left.is_zero() {
                 return Err(HwError::Store(StoreError::Unavailable(format!(
                     "{} jobs of the {} tier still running after {:.1} s",
@@ -323,12 +341,23 @@ impl HostedDriver {
         self.core.check_invariants()
     }
 
-    /// Drains (at most `timeout`), then stops the IO threads. Jobs still queued then end
-    /// unrun; running ones end alone before the threads are joined.
+    /// Drains (at most `timeout`), then stops the IO threads. If every job ended, the
+    /// threads are joined and the host's memory is no longer touched: `Ok`. If some still
+    /// run (a hung disk or server), queued jobs are dropped unrun, the running ones are left
+    /// to end alone, and the threads are not joined: the error says so, and the host must keep
+    /// its memory mapped for as long as the process lives.
     pub fn shutdown(mut self, timeout: Duration) -> Result<(), HwError> {
-        let drained = self.drain(timeout);
-        self.stop();
-        drained
+        match self.drain(timeout) {
+            Ok(()) => {
+                self.stop();
+                Ok(())
+            }
+            Err(e) => {
+                drop(self.io.stop());
+                self.detached = true;
+                Err(e)
+            }
+        }
     }
 
     fn stop(&mut self) {
@@ -414,6 +443,8 @@ impl Drop for HostedDriver {
     /// The IO threads end before the host's memory can go: queued jobs are dropped unrun,
     /// running ones finish.
     fn drop(&mut self) {
-        self.stop();
+        if !self.detached {
+            self.stop();
+        }
     }
 }

@@ -401,18 +401,27 @@ fn block_results(
     match results {
         Ok(r) => r,
         // A slot outside the region (or named twice): each block on its own, so the others
-        // still run.
-        Err(_) => blocks
-            .iter()
-            .map(|b| {
-                let r = if load {
-                    region.with_row_mut(b.slot, |row| store.get(&b.key, row))
-                } else {
-                    region.with_row(b.slot, |row| store.put(&b.key, row))
-                };
-                r.unwrap_or_else(|e| Err(StoreError::BadInput(e)))
-            })
-            .collect(),
+        // still run; a slot a load names again is refused, never written twice.
+        Err(_) => {
+            let mut seen = std::collections::BTreeSet::new();
+            blocks
+                .iter()
+                .map(|b| {
+                    if load && !seen.insert(b.slot) {
+                        return Err(StoreError::BadInput(format!(
+                            "slot {} is named twice in one batch",
+                            b.slot.0
+                        )));
+                    }
+                    let r = if load {
+                        region.with_row_mut(b.slot, |row| store.get(&b.key, row))
+                    } else {
+                        region.with_row(b.slot, |row| store.put(&b.key, row))
+                    };
+                    r.unwrap_or_else(|e| Err(StoreError::BadInput(e)))
+                })
+                .collect()
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! A kvtier store under a host's tiering manager (`HostedDriver`, rules G1–G10): blocks move
+//! A kvtier store under a host's tiering manager (`HostedDriver`, rules G1–G15): blocks move
 //! between the host's primary memory and a real file tier, byte for byte; the tier stays
 //! within its bound; a reopened tier serves its blocks; a failed read is never a success.
 
@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_core::{HostedLookup, Key, SlotId, TierConfig, TierKind};
+use kvtier_core::{HostedConfig, HostedLookup, Key, SlotId, TierConfig, TierKind};
 use kvtier_hw::{
     Faults, FaultyStore, FileStore, HostRows, HostedDone, HostedDriver, SecondaryStore,
 };
@@ -44,7 +44,7 @@ fn driver(store: Arc<dyn SecondaryStore>, rows: HostRows) -> HostedDriver {
     let capacity = store.capacity_blocks();
     HostedDriver::new(
         store,
-        TierConfig::new(TierKind::Authoritative, capacity),
+        HostedConfig::new(TierConfig::new(TierKind::Authoritative, capacity)),
         rows,
         2,
     )
@@ -205,4 +205,60 @@ fn a_slot_outside_the_primary_fails_its_block_only() {
     assert!(!done[0].success);
     assert_eq!(d.lookup(&key(0)), HostedLookup::Hit);
     assert_eq!(d.lookup(&key(1)), HostedLookup::Miss);
+}
+
+#[test]
+fn a_shutdown_that_times_out_returns_and_leaves_the_hung_job_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut primary = Primary::new();
+    let file = FileStore::open(dir.path(), ROW, 8 * ROW as u64).unwrap();
+    let faulty = FaultyStore::new(Arc::new(file));
+    let faults = faulty.faults();
+    let mut d = driver(Arc::new(faulty), primary.rows());
+    d.submit_store(1, &[(key(0), SlotId(0))]).unwrap();
+    assert!(wait(&mut d)[0].success);
+    faults.set(Faults {
+        hang_gets: true,
+        ..Faults::default()
+    });
+    d.submit_load(2, &[(key(0), SlotId(3))]).unwrap();
+    while faults.counts().gets_begun == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let begun = std::time::Instant::now();
+    let err = d.shutdown(Duration::from_millis(100)).unwrap_err();
+    assert!(begun.elapsed() < Duration::from_secs(5), "bounded");
+    assert!(err.to_string().contains("still running"), "{err}");
+    // The host keeps its memory until the hung read ends (here: the test's buffer).
+    faults.set(Faults::default());
+    while faults.counts().gets < faults.counts().gets_begun {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    drop(primary);
+}
+
+#[test]
+fn a_lookup_of_a_block_written_past_the_deadline_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut primary = Primary::new();
+    let file = FileStore::open(dir.path(), ROW, 8 * ROW as u64).unwrap();
+    let faulty = FaultyStore::new(Arc::new(file));
+    let faults = faulty.faults();
+    faults.set(Faults {
+        put_delay: Some(Duration::from_millis(400)),
+        ..Faults::default()
+    });
+    let capacity = faulty.capacity_blocks();
+    let mut config = HostedConfig::new(TierConfig::new(TierKind::Authoritative, capacity));
+    config.wait_deadline = Some(50);
+    let mut d = HostedDriver::new(Arc::new(faulty), config, primary.rows(), 2).unwrap();
+    d.submit_store(1, &[(key(0), SlotId(0))]).unwrap();
+    assert_eq!(d.lookup(&key(0)), HostedLookup::Retry);
+    std::thread::sleep(Duration::from_millis(120));
+    assert_eq!(d.lookup(&key(0)), HostedLookup::Miss, "past the deadline");
+    let done = wait(&mut d);
+    assert!(done[0].success, "the write went on and ended once");
+    assert_eq!(d.lookup(&key(0)), HostedLookup::Hit);
+    assert_eq!(d.stats().core.wait_timeouts, 1);
 }

@@ -9,7 +9,9 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use kvtier_core::{EventKind, HostedLookup, Key, SlotId, TierConfig, TierKind};
+use kvtier_core::{
+    EventKind, Health, HealthConfig, HostedConfig, HostedLookup, Key, SlotId, TierConfig, TierKind,
+};
 use kvtier_hw::{
     FileOptions, FileStore, HostRows, HostedDriver, RedisStore, SecondaryStore, StoreError,
 };
@@ -34,6 +36,17 @@ fn lock(m: &Mutex<Option<HostedDriver>>) -> MutexGuard<'_, Option<HostedDriver>>
 fn live(d: &mut Option<HostedDriver>) -> PyResult<&mut HostedDriver> {
     d.as_mut()
         .ok_or_else(|| errors::StateError::new_err("the tier was shut down"))
+}
+
+/// A bound in seconds as a `Duration`: infinite means none (the longest a clock holds).
+fn seconds(s: f64) -> PyResult<Duration> {
+    if s.is_nan() || s < 0.0 {
+        return Err(errors::config(
+            "timeout",
+            format!("{s} is not a number of seconds"),
+        ));
+    }
+    Ok(Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX))
 }
 
 /// `(key, slot)` pairs of a job: its keys, and the primary chunk of each.
@@ -64,8 +77,15 @@ impl HostedTier {
     /// blocks of `row_bytes`, recorded under `identity`, over the host's primary memory of
     /// `length` bytes at `address`. The caller keeps that memory alive and mapped until
     /// `shutdown` has returned.
+    ///
+    /// `wait_deadline_ms`: a block answers "retry" (being written or probed) at most this
+    /// long, then "miss" (`None`: for as long as its job runs). `failures_to_down` jobs that
+    /// fail in a row make the tier Down (every lookup a miss) until a health probe, every
+    /// `probe_interval_steps` steps, finds it well.
     #[new]
-    #[pyo3(signature = (address, length, row_bytes, tier, identity, io_threads = 4))]
+    #[pyo3(signature = (address, length, row_bytes, tier, identity, io_threads = 4,
+        wait_deadline_ms = Some(5000), failures_to_down = 3, probe_interval_steps = 100))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         address: usize,
@@ -74,7 +94,13 @@ impl HostedTier {
         tier: &Bound<'_, PyDict>,
         identity: String,
         io_threads: usize,
+        wait_deadline_ms: Option<u64>,
+        failures_to_down: u32,
+        probe_interval_steps: u32,
     ) -> PyResult<Self> {
+        if failures_to_down == 0 {
+            return Err(errors::config("failures_to_down", "must be at least 1"));
+        }
         let settings = tier_settings(0, tier)?;
         // SAFETY: the caller (kvtier.vllm_tiers) holds an export of the host's buffer, so
         // the memory stays mapped until `shutdown` has joined the IO threads; the host
@@ -113,8 +139,16 @@ impl HostedTier {
             }
         };
         let capacity_blocks = store.capacity_blocks();
-        let mut config = TierConfig::new(kind, capacity_blocks);
-        config.policy = settings.policy;
+        let mut tier = TierConfig::new(kind, capacity_blocks);
+        tier.policy = settings.policy;
+        let config = HostedConfig {
+            tier,
+            health: HealthConfig {
+                failures_to_down,
+                probe_interval_steps,
+            },
+            wait_deadline: wait_deadline_ms,
+        };
         let driver =
             HostedDriver::new(store, config, rows, io_threads.max(1)).map_err(errors::hw)?;
         Ok(HostedTier {
@@ -204,11 +238,13 @@ impl HostedTier {
         Ok(())
     }
 
-    /// G9: the host's step ended.
-    fn end_step(&self) -> PyResult<()> {
-        let mut d = lock(&self.driver);
-        live(&mut d)?.end_step();
-        Ok(())
+    /// G9, G14: the host's step ended. Forwards the log records of the tier's threads.
+    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
+        {
+            let mut d = lock(&self.driver);
+            live(&mut d)?.end_step();
+        }
+        crate::log::flush(py)
     }
 
     /// Whether jobs or probes are running.
@@ -220,7 +256,7 @@ impl HostedTier {
 
     /// Waits until every job has ended, at most `timeout_s`; `TierError` if some still run.
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
-        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        let timeout = seconds(timeout_s)?;
         py.detach(|| {
             let mut d = lock(&self.driver);
             match d.as_mut() {
@@ -260,7 +296,7 @@ impl HostedTier {
             ("capacity_bytes", u64::from(capacity) * row),
             ("blocks", blocks as u64),
             ("bytes", blocks as u64 * row),
-            ("up", 1),
+            ("up", u64::from(d.health() == Health::Up)),
             ("cascade_jobs", c.store_jobs),
             ("blocks_cascaded", c.blocks_stored + c.store_failures),
             ("bytes_written", s.bytes_written),
@@ -271,8 +307,11 @@ impl HostedTier {
             ("write_failures", c.store_failures),
             ("read_failures", c.load_failures),
             ("verification_failures", s.corrupt_reads),
-            ("read_missing", 0),
+            ("read_missing", c.load_missing),
             ("skipped_full", c.blocks_skipped_full),
+            ("skipped_down", c.blocks_skipped_down),
+            ("wait_timeouts", c.wait_timeouts),
+            ("times_down", c.times_down),
             ("already_held", c.blocks_already_held),
             ("hits", c.hits),
             ("misses", c.misses),
@@ -289,10 +328,12 @@ impl HostedTier {
         Ok(out)
     }
 
-    /// Drains (at most `timeout_s`), then stops the IO threads: after it returns the tier no
-    /// longer touches the host's memory, even if some job had not ended.
+    /// Drains (at most `timeout_s`), then stops the IO threads. `Ok`: every job ended, and
+    /// the tier no longer touches the host's memory. `TierError`: some jobs still run (a hung
+    /// disk or server); they are left to end alone, and the host must keep its memory mapped
+    /// for as long as the process lives.
     fn shutdown(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
-        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        let timeout = seconds(timeout_s)?;
         let d = lock(&self.driver).take();
         match d {
             Some(d) => py.detach(|| d.shutdown(timeout)).map_err(errors::hw),

@@ -372,3 +372,96 @@ def test_a_redis_tier_is_shared_by_two_engines(vllm, redis_url):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_redis_tier_that_is_gone_answers_miss_and_goes_down(vllm, redis_server):
+    """A dead server must not hold requests: failed probes make the tier Down (G12), and
+    every lookup is then a MISS at once."""
+    url, proc = redis_server
+    table = {**REDIS_TIER, "urls": [url], "capacity_bytes": tier_bytes(64),
+             "failures_to_down": 2, "timeout_ms": 500}
+    e = Engine(vllm, table)
+    try:
+        proc.kill()
+        proc.wait()
+        answers, loaded = e.fetch([key(1), key(2)])
+        assert answers == ["MISS", "MISS"] and not loaded
+        stats = e.tier.stats()
+        assert stats["up"] == 0 and stats["times_down"] == 1
+        answers, _ = e.fetch([key(3)])
+        assert answers == ["MISS"]
+        assert e.tier.stats()["probes"] == stats["probes"], "no probe while Down"
+        with e.manager.lock:
+            data = e.manager.get_stats().metric_sections()[1]
+        from kvtier.vllm import TIER_UP
+
+        assert data[TIER_UP][("1:KvtierRedisTier",)] == 0
+    finally:
+        e.shutdown()
+
+
+def test_a_stopped_redis_holds_a_lookup_only_until_the_deadline(vllm, redis_server):
+    """A server that stops answering (SIGSTOP) leaves probes hanging: a lookup answers
+    RETRY until hit_pending_timeout_s, then MISS (G11); the probe ends once it wakes."""
+    import signal
+
+    url, proc = redis_server
+    table = {**REDIS_TIER, "urls": [url], "capacity_bytes": tier_bytes(64),
+             "hit_pending_timeout_s": 0.3, "timeout_ms": 60_000}
+    a = Engine(vllm, table)
+    b = Engine(vllm, table)
+    try:
+        a.store([key(1)])
+        proc.send_signal(signal.SIGSTOP)
+        begun = time.monotonic()
+        answers, loaded = b.fetch([key(1)], steps=1000)
+        waited = time.monotonic() - begun
+        assert answers == ["MISS"] and not loaded
+        assert 0.3 <= waited < 5, waited
+        assert b.tier.stats()["wait_timeouts"] >= 1
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        a.shutdown()
+        b.shutdown()
+
+
+def test_bad_timeouts_are_config_errors(vllm, tmp_path):
+    for key_, value in [("drain_timeout_s", float("inf")), ("shutdown_timeout_s", None),
+                        ("hit_pending_timeout_s", float("nan")), ("failures_to_down", 0),
+                        ("io_threads", True)]:
+        with pytest.raises(kvtier.ConfigError, match=key_):
+            Engine(vllm, file_tier(tmp_path / "k", **{key_: value}))
+
+
+def test_events_name_the_tier_and_expect_its_removals(vllm, tmp_path):
+    e = Engine(vllm, file_tier(tmp_path / "k", blocks=2, enable_kv_events=True))
+    try:
+        capacity = e.tier.config_info()["capacity_blocks"]
+        for i in range(capacity + 1):
+            e.store([key(i)])
+        with e.manager.lock:
+            events = [ev for ev in e.manager.take_events() if ev.ownership == "KvtierFileTier"]
+        assert all(ev.removal_expected for ev in events)
+        removed = [k for ev in events if ev.removed for k in ev.keys]
+        assert removed == [key(0)], "the evicted block is announced removed"
+    finally:
+        e.shutdown()
+
+
+def test_a_job_the_tier_refuses_still_ends_once_failed(vllm, tmp_path):
+    """G10: a job naming one primary slot twice is never run; vLLM's manager still gets its
+    one result (a failed one), so no pin of vLLM's leaks."""
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    e = Engine(vllm, file_tier(tmp_path / "k"))
+    try:
+        e.store([key(1), key(2)])
+        job = TransferJob(job_id=10_000, keys=[key(1), key(2)], chunk_ids=np.array([3, 3]),
+                          is_promotion=True, req_context=vllm.ReqContext(req_id="x"))
+        e.tier.submit_load(job)
+        assert e.tier.has_pending_work()
+        (result,) = [r for r in e.tier.get_finished_jobs() if r.job_id == 10_000]
+        assert not result.success and result.successful_keys is None
+        e.tier.check_invariants()
+    finally:
+        e.shutdown()

@@ -16,9 +16,20 @@ out-of-tree secondary tier by class name and module::
   ``urls``, ``capacity_bytes``, ``eviction_policy``, ``cluster``, ``namespace``,
   ``timeout_ms``, ``ttl_s``, ``username_env``, ``password_env``, ``tls``, ``tls_ca_file``.
 
-Both also take ``io_threads`` (default 4), ``drain_timeout_s`` (default 60), and vLLM's
-``locality`` and ``enable_kv_events``. The decisions (what the tier holds, what it evicts,
-which reads start) are kvtier's core's (rules G1-G10 of ``docs/state-machine.md``); the IO
+Both also take:
+
+- ``io_threads`` (default 4);
+- ``hit_pending_timeout_s`` (default 5; null: none): a block answers RETRY while it is written
+  or probed, at most this long, then MISS (its job goes on);
+- ``failures_to_down`` (3) and ``probe_interval_steps`` (100): a tier whose jobs fail that
+  many times in a row is Down (every lookup a MISS, stores skipped) until a health probe,
+  every that many steps, finds it well;
+- ``drain_timeout_s`` (default: none): how long ``drain_jobs`` (vLLM's ``reset_cache``) waits
+  before it raises ``TierError``. It warns every 10 s while it waits;
+- ``shutdown_timeout_s`` (30): how long ``shutdown`` waits for running jobs. After that it
+  leaves them to end alone and keeps vLLM's primary memory mapped for the process's life;
+- vLLM's ``locality`` and ``enable_kv_events``. The decisions (what the tier holds, what it evicts,
+which reads start) are kvtier's core's (rules G1-G15 of ``docs/state-machine.md``); the IO
 runs on kvtier's threads, never on the scheduler's.
 
 This module needs vLLM 0.33 or later (``vllm.v1.kv_offload.tiering``).
@@ -46,7 +57,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import _native
-from kvtier._native import ConfigError
+from kvtier._native import ConfigError, StateError, TierError
 from kvtier.vllm import (
     _SKIP_REASONS,
     _TIER_COUNTERS,
@@ -60,8 +71,30 @@ _log = logging.getLogger("kvtier")
 
 _ANSWERS = (LookupResult.MISS, LookupResult.HIT, LookupResult.RETRY)
 
-#: Settings of this module's own, not the store's.
-_OWN = ("io_threads", "drain_timeout_s")
+#: Primary buffers of tiers whose shutdown left jobs running: kept mapped for the process's
+#: life, since those jobs may still write into them.
+_KEPT_MAPPED: list[Any] = []
+
+
+def _seconds(tier_type: str, key: str, value: Any, *, none_ok: bool) -> float | None:
+    """A setting in seconds: a finite number >= 0 (or None where that means no bound)."""
+    if value is None and none_ok:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not (0.0 <= number < float("inf")):
+        raise ConfigError(
+            f"secondary tier {tier_type}.{key}: {value!r} is not a number of seconds"
+        )
+    return number
+
+
+def _count(tier_type: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"secondary tier {tier_type}.{key}: {value!r} is not >= 1")
+    return value
 
 
 def _label(spec: Any, tier_type: str, settings: dict[str, Any]) -> tuple[str]:
@@ -91,7 +124,11 @@ class _KvtierTier(SecondaryTierManager):
         locality: str | None = None,
         enable_kv_events: bool = False,
         io_threads: int = 4,
-        drain_timeout_s: float = 60.0,
+        hit_pending_timeout_s: float | None = 5.0,
+        failures_to_down: int = 3,
+        probe_interval_steps: int = 100,
+        drain_timeout_s: float | None = None,
+        shutdown_timeout_s: float = 30.0,
         **settings: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -106,14 +143,16 @@ class _KvtierTier(SecondaryTierManager):
                     "disabled globally; the tier emits none",
                     tier_type,
                 )
-        if not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError(f"secondary tier {tier_type}.io_threads: {io_threads!r} is not >= 1")
-        try:
-            self._drain_timeout = float(drain_timeout_s)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"secondary tier {tier_type}.drain_timeout_s: {drain_timeout_s!r} is not a number"
-            ) from None
+        io_threads = _count(tier_type, "io_threads", io_threads)
+        failures_to_down = _count(tier_type, "failures_to_down", failures_to_down)
+        probe_interval_steps = _count(tier_type, "probe_interval_steps", probe_interval_steps)
+        wait = _seconds(tier_type, "hit_pending_timeout_s", hit_pending_timeout_s, none_ok=True)
+        self._drain_timeout = _seconds(
+            tier_type, "drain_timeout_s", drain_timeout_s, none_ok=True
+        )
+        self._shutdown_timeout = _seconds(
+            tier_type, "shutdown_timeout_s", shutdown_timeout_s, none_ok=False
+        )
         self._label = _label(offloading_spec, tier_type, settings)
         config = offloading_spec.config
         par = config.parallel
@@ -137,12 +176,18 @@ class _KvtierTier(SecondaryTierManager):
                 table,
                 identity,
                 io_threads,
+                None if wait is None else int(wait * 1000),
+                failures_to_down,
+                probe_interval_steps,
             )
         except BaseException:
             self._buffer = None
             raise
         self._policy = str(settings.get("eviction_policy", "lru"))
         self._sent: dict[str, int] = {}
+        # Jobs refused by the tier (never started): they end failed at the next poll, so
+        # vLLM's manager still gets exactly one result for each.
+        self._refused: list[JobResult] = []
         _log.info(
             "kvtier %s tier %s: %d blocks of %d bytes",
             self._store,
@@ -157,22 +202,28 @@ class _KvtierTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return _ANSWERS[self._native.lookup(key)]
 
+    def _submit(self, submit: Any, job_metadata: TransferJob) -> None:
+        try:
+            submit(
+                job_metadata.job_id,
+                list(job_metadata.keys),
+                np.asarray(job_metadata.chunk_ids).tolist(),
+            )
+        except StateError as e:
+            # A job id in use, a block or slot named twice, a slot another job is using:
+            # the job never starts, and ends failed (nothing is read or written).
+            _log.error("kvtier tier %s refused job %s: %s", self._label[0], job_metadata.job_id, e)
+            self._refused.append(JobResult(job_id=job_metadata.job_id, success=False))
+
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._native.submit_store(
-            job_metadata.job_id,
-            list(job_metadata.keys),
-            np.asarray(job_metadata.chunk_ids).tolist(),
-        )
+        self._submit(self._native.submit_store, job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._native.submit_load(
-            job_metadata.job_id,
-            list(job_metadata.keys),
-            np.asarray(job_metadata.chunk_ids).tolist(),
-        )
+        self._submit(self._native.submit_load, job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        return [
+        refused, self._refused = self._refused, []
+        return refused + [
             JobResult(
                 job_id=job,
                 success=success,
@@ -184,7 +235,7 @@ class _KvtierTier(SecondaryTierManager):
         ]
 
     def has_pending_work(self) -> bool:
-        return self._native.has_pending_work()
+        return bool(self._refused) or self._native.has_pending_work()
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._native.touch(list(keys))
@@ -199,23 +250,57 @@ class _KvtierTier(SecondaryTierManager):
         for removed, keys in self._native.take_events():
             self._events.append(
                 OffloadingEvent(
-                    keys=keys, medium=self.medium, removed=removed, locality=self.locality
+                    keys=keys,
+                    medium=self.medium,
+                    removed=removed,
+                    locality=self.locality,
+                    # This tier announces its removals itself (evictions, dropped blocks).
+                    ownership=self.tier_type,
+                    removal_expected=True,
                 )
             )
         events, self._events = self._events, []
         return events
 
     def drain_jobs(self) -> None:
-        """Waits until every job has ended: no IO touches the primary after it returns. A
-        tier whose IO hangs raises ``TierError`` after ``drain_timeout_s`` instead of
-        returning early (a job's copy is never abandoned halfway)."""
-        self._native.drain(self._drain_timeout)
+        """Waits until every job has ended: no IO touches the primary after it returns. It
+        never returns early (a job's copy is never abandoned halfway): it warns every 10 s
+        while it waits, and with ``drain_timeout_s`` set raises ``TierError`` after that."""
+        waited = 0.0
+        while True:
+            step = 10.0
+            if self._drain_timeout is not None:
+                step = min(step, self._drain_timeout - waited)
+            try:
+                self._native.drain(max(step, 0.0))
+                return
+            except TierError:
+                waited += step
+                if self._drain_timeout is not None and waited >= self._drain_timeout:
+                    raise
+                _log.warning(
+                    "kvtier tier %s: jobs still running after %.0f s of drain_jobs (%s)",
+                    self._label[0],
+                    waited,
+                    self._native.stats().get("last_error"),
+                )
 
     def shutdown(self) -> None:
+        """Waits up to ``shutdown_timeout_s`` for running jobs, then stops the tier. Jobs that
+        still run then (a hung disk or server) are left to end alone, and vLLM's primary
+        memory they may write is kept mapped for the process's life; it does not raise, so
+        vLLM goes on to shut the other tiers down."""
+        buffer, self._buffer = self._buffer, None
         try:
-            self._native.shutdown(self._drain_timeout)
-        finally:
-            self._buffer = None
+            self._native.shutdown(self._shutdown_timeout)
+        except TierError as e:
+            _KEPT_MAPPED.append(buffer)
+            _log.error(
+                "kvtier tier %s: shut down with jobs still running; its primary memory stays "
+                "mapped until the process exits: %s",
+                self._label[0],
+                e,
+            )
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
