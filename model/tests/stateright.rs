@@ -61,7 +61,7 @@ fn reuse_policy_configuration_to_a_depth_bound() {
 }
 
 /// Depth of [`TieringModel::ci_deadline`]'s exploration in CI.
-const DEADLINE_DEPTH: usize = 10;
+const DEADLINE_DEPTH: usize = 9;
 
 /// ★9: no request is held past the wait deadline (W3, W4), with hung jobs, probes that
 /// answer Retry, and the clock moving at any point.
