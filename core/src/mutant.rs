@@ -28,6 +28,7 @@ pub const NAMES: &[&str] = &[
     "missing_is_failure",
     "no_deadline",
     "no_hold",
+    "no_tier_learning",
 ];
 
 /// Whether the seeded defect `name` is switched on in this process: always `false` unless

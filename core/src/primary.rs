@@ -478,11 +478,26 @@ impl Primary {
 
     /// R6: `req` finished: its keys go to the policy tail to head, and its record is dropped.
     pub fn request_finished(&mut self, req: RequestId) {
+        let mut read = Vec::new();
+        self.request_finished_into(req, &mut read);
+    }
+
+    /// R6, R8: as [`Self::request_finished`], and the keys the request read (loaded from the
+    /// primary, or promoted from a tier), head to tail, into `read` (emptied first).
+    pub fn request_finished_into(&mut self, req: RequestId, read: &mut Vec<Key>) {
+        read.clear();
         let Some(access) = self.requests.remove(&req) else {
             return;
         };
         let mut order = core::mem::take(&mut self.order_scratch);
         access.order_into(&mut order);
+        read.extend(
+            order
+                .iter()
+                .map(|&i| &access.keys[i as usize])
+                .filter(|e| e.flags & (REUSED | PROMOTED) != 0)
+                .map(|e| e.key.clone()),
+        );
         self.policy.begin_finish(order.len()); // U3, U4
         for &i in order.iter().rev() {
             let e = &access.keys[i as usize];

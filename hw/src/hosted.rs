@@ -233,8 +233,7 @@ impl HostedDriver {
     /// `Hit`) and setting the core's clock.
     pub fn lookup(&mut self, key: &Key) -> HostedLookup {
         self.collect();
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.core.set_clock(now);
+        self.tick();
         let answer = self.core.lookup(key);
         self.pump();
         answer
@@ -242,6 +241,8 @@ impl HostedDriver {
 
     /// G5: writes `blocks` (key, primary slot) from the host's primary into the store.
     pub fn submit_store(&mut self, job: u64, blocks: &[(Key, SlotId)]) -> Result<(), HwError> {
+        // The writes' busy time starts now (G11).
+        self.tick();
         self.core.submit_store(JobId(job), blocks)?;
         self.pump();
         Ok(())
@@ -409,6 +410,12 @@ impl HostedDriver {
             tracing::error!(error = %e, "hosted tier job result refused");
         }
         self.pump();
+    }
+
+    /// The core's clock: milliseconds since the driver started.
+    fn tick(&mut self) {
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.core.set_clock(now);
     }
 
     /// Carries out the core's effects in order: deletes here, jobs on the IO threads.

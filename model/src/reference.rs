@@ -962,13 +962,25 @@ impl RefModel {
         self.record(req).positions.insert(key.clone(), end_token);
     }
 
-    /// R6, R7: the request's keys go to the policy and its record is dropped; W6: its waits
-    /// are forgotten.
+    /// R6, R7: the request's keys go to the policy and its record is dropped; R8: what it
+    /// read reaches every tier; W6: its waits are forgotten.
     pub fn request_finished(&mut self, req: RequestId) {
         self.waiting.retain(|(r, _, _)| *r != req);
         if let Some(i) = self.records.iter().position(|(r, _)| *r == req) {
             let (_, record) = self.records.remove(i);
             self.recency.finish(&record);
+            // R8: the keys it read, head to tail, reach every tier as a touch (T12).
+            let read: Vec<Key> = record
+                .head_to_tail()
+                .into_iter()
+                .filter(|k| record.reused.contains(k) || record.promoted.contains(k))
+                .collect();
+            for tier in &mut self.tiers {
+                let entries = &tier.entries;
+                tier.recency.touch(&read, |k| {
+                    entries.get(k).map(|e| matches!(e, Entry::Present(_)))
+                });
+            }
         }
     }
 

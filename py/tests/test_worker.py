@@ -246,8 +246,13 @@ def _copy_thread_cpus() -> set[int]:
     import os
 
     for comm in glob.glob("/proc/self/task/*/comm"):
-        if open(comm).read().strip().startswith("kvtier-rank-"):
-            return os.sched_getaffinity(int(comm.split("/")[4]))
+        try:
+            # Other threads (an earlier test's) may end between the listing and the read.
+            with open(comm) as f:
+                if f.read().strip().startswith("kvtier-rank-"):
+                    return os.sched_getaffinity(int(comm.split("/")[4]))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     raise AssertionError("no kvtier-rank thread")
 
 
