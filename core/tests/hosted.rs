@@ -1,7 +1,11 @@
 //! A tier under another manager (`HostedTier`, rules G1–G15 of `docs/state-machine.md`), one
 //! test per rule, and a seeded walk that checks I13 and "every host job ends exactly once".
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
+
+use common::Rng;
 
 use kvtier_core::{
     Effect, Error, EventKind, Health, HealthConfig, HostedConfig, HostedLookup, HostedResult,
@@ -500,21 +504,6 @@ fn g15_a_block_whose_read_failed_while_held_is_never_served_again() {
         .collect();
     assert_eq!(removed, vec![k(0)]);
     t.check_invariants().unwrap();
-}
-
-/// xorshift64*: deterministic, seeded, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 /// A host as vLLM's manager drives a tier: lookups, a promotion of each hit at the end of the

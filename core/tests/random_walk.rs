@@ -11,21 +11,6 @@ use kvtier_core::{
     PolicyKind, RequestId, ReuseFilter, SlotId, TierConfig, TierKind,
 };
 
-/// xorshift64*: deterministic, seeded, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn config(seed: u64) -> Config {
     let policy = |b| if b { PolicyKind::Arc } else { PolicyKind::Lru };
     let mut c = Config::new(2 + (seed % 4) as u32);

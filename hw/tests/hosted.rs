@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use kvtier_core::{HostedConfig, HostedLookup, Key, SlotId, TierConfig, TierKind};
 use kvtier_hw::{
-    Faults, FaultyStore, FileStore, HostRows, HostedDone, HostedDriver, SecondaryStore,
+    FaultHandle, Faults, FaultyStore, FileStore, HostRows, HostedDone, HostedDriver, SecondaryStore,
 };
 
 const ROW: usize = 4096;
@@ -57,6 +57,27 @@ fn bytes_for(n: u32) -> u64 {
         .step_by(512)
         .find(|&b| FileStore::capacity_for(ROW, b).is_ok_and(|c| c >= n))
         .unwrap()
+}
+
+/// A driver over a file tier whose faults the test sets.
+fn faulty_driver(dir: &std::path::Path, primary: &mut Primary) -> (HostedDriver, FaultHandle) {
+    let file = FileStore::open(dir, ROW, 8 * ROW as u64).unwrap();
+    let faulty = FaultyStore::new(Arc::new(file));
+    let faults = faulty.faults();
+    (driver(Arc::new(faulty), primary.rows()), faults)
+}
+
+/// A faulty tier that holds block 0, and job 2 loading it into slot 3 while reads hang.
+fn stored_then_hung(dir: &std::path::Path, primary: &mut Primary) -> (HostedDriver, FaultHandle) {
+    let (mut d, faults) = faulty_driver(dir, primary);
+    d.submit_store(1, &[(key(0), SlotId(0))]).unwrap();
+    assert!(wait(&mut d)[0].success);
+    faults.set(Faults {
+        hang_gets: true,
+        ..Faults::default()
+    });
+    d.submit_load(2, &[(key(0), SlotId(3))]).unwrap();
+    (d, faults)
 }
 
 fn wait(d: &mut HostedDriver) -> Vec<HostedDone> {
@@ -136,10 +157,7 @@ fn a_read_that_fails_verification_is_a_failed_load_and_the_block_is_dropped() {
     let mut primary = Primary::new();
     primary.fill(0, 0xAB);
     primary.fill(1, 0xCD);
-    let file = FileStore::open(dir.path(), ROW, 8 * ROW as u64).unwrap();
-    let faulty = FaultyStore::new(Arc::new(file));
-    let faults = faulty.faults();
-    let mut d = driver(Arc::new(faulty), primary.rows());
+    let (mut d, faults) = faulty_driver(dir.path(), &mut primary);
     d.submit_store(1, &[(key(0), SlotId(0)), (key(1), SlotId(1))])
         .unwrap();
     assert!(wait(&mut d)[0].success);
@@ -167,17 +185,7 @@ fn a_read_that_fails_verification_is_a_failed_load_and_the_block_is_dropped() {
 fn a_hung_store_never_blocks_a_call_and_drain_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let mut primary = Primary::new();
-    let file = FileStore::open(dir.path(), ROW, 8 * ROW as u64).unwrap();
-    let faulty = FaultyStore::new(Arc::new(file));
-    let faults = faulty.faults();
-    let mut d = driver(Arc::new(faulty), primary.rows());
-    d.submit_store(1, &[(key(0), SlotId(0))]).unwrap();
-    assert!(wait(&mut d)[0].success);
-    faults.set(Faults {
-        hang_gets: true,
-        ..Faults::default()
-    });
-    d.submit_load(2, &[(key(0), SlotId(3))]).unwrap();
+    let (mut d, faults) = stored_then_hung(dir.path(), &mut primary);
     // Calls return at once while the read hangs.
     assert_eq!(d.lookup(&key(0)), HostedLookup::Hit);
     assert!(d.finished().is_empty());
@@ -211,17 +219,7 @@ fn a_slot_outside_the_primary_fails_its_block_only() {
 fn a_shutdown_that_times_out_returns_and_leaves_the_hung_job_alone() {
     let dir = tempfile::tempdir().unwrap();
     let mut primary = Primary::new();
-    let file = FileStore::open(dir.path(), ROW, 8 * ROW as u64).unwrap();
-    let faulty = FaultyStore::new(Arc::new(file));
-    let faults = faulty.faults();
-    let mut d = driver(Arc::new(faulty), primary.rows());
-    d.submit_store(1, &[(key(0), SlotId(0))]).unwrap();
-    assert!(wait(&mut d)[0].success);
-    faults.set(Faults {
-        hang_gets: true,
-        ..Faults::default()
-    });
-    d.submit_load(2, &[(key(0), SlotId(3))]).unwrap();
+    let (d, faults) = stored_then_hung(dir.path(), &mut primary);
     while faults.counts().gets_begun == 0 {
         std::thread::sleep(Duration::from_millis(1));
     }

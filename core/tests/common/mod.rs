@@ -110,3 +110,18 @@ pub fn load_keys(job: &Job) -> Vec<Key> {
         _ => Vec::new(),
     }
 }
+
+/// xorshift64*: deterministic, seeded, no dependency.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
