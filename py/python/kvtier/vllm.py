@@ -196,6 +196,40 @@ PROMOTION_LATENCY_BUCKETS = (
 )
 
 
+def tier_metric_definitions() -> dict[str, Any]:
+    """vLLM metric definitions of kvtier's per-tier gauges and counters (label ``tier``) and
+    of the skipped cascades (labels ``tier`` and ``reason``)."""
+    gauge, counter = _base.OffloadingGaugeMetadata, _base.OffloadingCounterMetadata
+    tier = (TIER_LABEL,)
+    defs: dict[str, Any] = {}
+    for name, _, doc in _TIER_GAUGES:
+        defs[name] = gauge(documentation=doc, labelnames=tier)
+    for name, _, doc in _TIER_COUNTERS:
+        defs[name] = counter(documentation=doc, labelnames=tier)
+    defs[TIER_CASCADES_SKIPPED] = counter(
+        documentation="Cascaded blocks not written to the tier, by reason: "
+        "backpressure (its writes at their bound), tier_down (not Up), tier_full "
+        "(no room could be made).",
+        labelnames=(TIER_LABEL, "reason"),
+    )
+    return defs
+
+
+def send_tier_figures(stats: Any, label: tuple[str, ...], figures: Mapping[str, Any],
+                      every: bool) -> None:
+    """One tier's figures onto ``stats``: its gauges as they are, and its counters'
+    increases (``figures`` holds both, by the native keys); a zero increase is sent only
+    with ``every`` (the first call, so that each series exists)."""
+    for name, key, _ in _TIER_GAUGES:
+        stats.set_gauge(name, int(figures[key]), label)
+    for name, key, _ in _TIER_COUNTERS:
+        if every or figures[key]:
+            stats.increase_counter(name, figures[key], label)
+    for reason, key in _SKIP_REASONS:
+        if every or figures[key]:
+            stats.increase_counter(TIER_CASCADES_SKIPPED, figures[key], (*label, reason))
+
+
 def tier_labels(tiers: Sequence[Mapping[str, Any]]) -> list[str]:
     """The ``tier`` label of each of ``tiers`` (``secondary_tiers``' tables), in order."""
     return [f"{i + 1}:{t.get('type', 'file')}" for i, t in enumerate(tiers)]
@@ -715,14 +749,7 @@ class KvtierOffloadingManager(_base.OffloadingManager):
         every = not self._counters_sent
         self._counters_sent = True
         for label, t in zip(self._tier_labels, self._native.take_tier_metrics()):
-            for name, key, _ in _TIER_GAUGES:
-                stats.set_gauge(name, int(t[key]), label)
-            for name, key, _ in _TIER_COUNTERS:
-                if every or t[key]:
-                    stats.increase_counter(name, t[key], label)
-            for reason, key in _SKIP_REASONS:
-                if every or t[key]:
-                    stats.increase_counter(TIER_CASCADES_SKIPPED, t[key], (*label, reason))
+            send_tier_figures(stats, label, t, every)
             for ok, seconds in t["promotion_latencies"]:
                 stats.observe_histogram(
                     TIER_PROMOTION_LATENCY, seconds, (*label, "ok" if ok else "failed")
@@ -952,17 +979,7 @@ class KvtierOffloadingSpec(_base.OffloadingSpec):
                 documentation="Stores skipped because the reuse threshold was not reached."
             )
         if extra_config.get("secondary_tiers"):
-            tier = (TIER_LABEL,)
-            for name, _, doc in _TIER_GAUGES:
-                defs[name] = gauge(documentation=doc, labelnames=tier)
-            for name, _, doc in _TIER_COUNTERS:
-                defs[name] = counter(documentation=doc, labelnames=tier)
-            defs[TIER_CASCADES_SKIPPED] = counter(
-                documentation="Cascaded blocks not written to the tier, by reason: "
-                "backpressure (its writes at their bound), tier_down (not Up), tier_full "
-                "(no room could be made).",
-                labelnames=(TIER_LABEL, "reason"),
-            )
+            defs.update(tier_metric_definitions())
             defs[TIER_PROMOTION_LATENCY] = hist(
                 documentation="Seconds from a promotion job's submission to the tier to its "
                 "end (queueing included), by result (ok, failed).",

@@ -61,10 +61,9 @@ from kvtier._native import ConfigError, StateError, TierError
 from kvtier.vllm import (
     _SKIP_REASONS,
     _TIER_COUNTERS,
-    _TIER_GAUGES,
-    TIER_CASCADES_SKIPPED,
-    TIER_LABEL,
     layout_identity,
+    send_tier_figures,
+    tier_metric_definitions,
 )
 
 _log = logging.getLogger("kvtier")
@@ -304,23 +303,7 @@ class _KvtierTier(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        from vllm.v1.kv_offload.base import (
-            OffloadingCounterMetadata,
-            OffloadingGaugeMetadata,
-        )
-
-        tier = (TIER_LABEL,)
-        defs: dict[str, Any] = {}
-        for name, _, doc in _TIER_GAUGES:
-            defs[name] = OffloadingGaugeMetadata(documentation=doc, labelnames=tier)
-        for name, _, doc in _TIER_COUNTERS:
-            defs[name] = OffloadingCounterMetadata(documentation=doc, labelnames=tier)
-        defs[TIER_CASCADES_SKIPPED] = OffloadingCounterMetadata(
-            documentation="Cascaded blocks not written to the tier, by reason: backpressure "
-            "(its writes at their bound), tier_down (not Up), tier_full (no room could be made).",
-            labelnames=(TIER_LABEL, "reason"),
-        )
-        return defs
+        return tier_metric_definitions()
 
     def get_stats(self) -> Any:
         """kvtier's per-tier figures (label ``tier``): gauges as they are, counters as their
@@ -330,19 +313,17 @@ class _KvtierTier(SecondaryTierManager):
             OffloadingConnectorStats,
         )
 
-        now = self._native.stats()
+        # The native counts are totals; vLLM's counters take increases. A reason this tier
+        # never skips for (back-pressure is vLLM's own here) counts 0.
+        counters = {key for _, key, _ in _TIER_COUNTERS} | {key for _, key in _SKIP_REASONS}
+        now = {**dict.fromkeys(counters, 0), **self._native.stats()}
         stats = OffloadingConnectorStats()
-        for name, key, _ in _TIER_GAUGES:
-            stats.set_gauge(name, int(now[key]), self._label)
-        first = not self._sent
-        for name, key, _ in _TIER_COUNTERS:
-            delta = now[key] - self._sent.get(key, 0)
-            if first or delta:
-                stats.increase_counter(name, delta, self._label)
-        for reason, key in _SKIP_REASONS:
-            delta = now.get(key, 0) - self._sent.get(key, 0)
-            if first or delta:
-                stats.increase_counter(TIER_CASCADES_SKIPPED, delta, (*self._label, reason))
+        figures = {
+            k: v - self._sent.get(k, 0) if k in counters else v
+            for k, v in now.items()
+            if isinstance(v, int)
+        }
+        send_tier_figures(stats, self._label, figures, every=not self._sent)
         self._sent = {k: v for k, v in now.items() if isinstance(v, int)}
         return stats
 
