@@ -1086,12 +1086,19 @@ impl Manager {
     /// configuration with equal encodings answer every future sequence of calls alike, up to a
     /// constant offset of job ids, steps and clock.
     pub fn canonical_state(&self) -> alloc::string::String {
+        let mut out = alloc::string::String::new();
+        self.write_canonical_state(&mut out);
+        out
+    }
+
+    /// Appends [`Manager::canonical_state`] to `out`, for checkers that reuse one buffer
+    /// across the states they visit.
+    pub fn write_canonical_state(&self, out: &mut alloc::string::String) {
         use core::fmt::Write;
         let ids: Vec<JobId> = self.jobs.keys().copied().collect();
         let rank = |j: JobId| ids.binary_search(&j).unwrap_or(usize::MAX);
         let step = self.step;
-        let mut out = alloc::string::String::new();
-        self.primary.write_canonical(&mut out);
+        self.primary.write_canonical(out);
         for (i, t) in self.tiers.iter().enumerate() {
             let health = match t.health {
                 HealthState::Up => alloc::string::String::from("up"),
@@ -1108,7 +1115,7 @@ impl Manager {
                 " tier{i}[{health} f={} st={} ",
                 t.failures, t.stores_outstanding
             );
-            t.index.write_canonical(&mut out, &rank, step);
+            t.index.write_canonical(out, &rank, step);
             out.push(']');
         }
         for (r, o) in self.jobs.values().enumerate() {
@@ -1161,7 +1168,6 @@ impl Manager {
             " collected={} closed={} held={} effects={:?} events={:?}",
             self.collected, self.closed, self.promotions_held, self.effects, self.events
         );
-        out
     }
 
     #[inline]

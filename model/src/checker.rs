@@ -135,7 +135,11 @@ pub struct ModelState {
     failing: BTreeMap<JobId, (TierId, bool)>,
     /// The first property this state's transition broke, if any.
     pub violation: Option<String>,
-    canon: String,
+    /// A 128-bit digest of the state's identity (the core's canonical state, the waits seen,
+    /// the violation): two states are one state when their digests are equal. A digest, not
+    /// the text, because every generated state is cloned and compared; a collision between
+    /// two of the millions of states explored has a chance near 2^-84.
+    canon: u128,
 }
 
 impl ModelState {
@@ -147,7 +151,7 @@ impl ModelState {
             waits: BTreeMap::new(),
             failing: BTreeMap::new(),
             violation: None,
-            canon: String::new(),
+            canon: 0,
         };
         s.seal();
         s
@@ -167,11 +171,13 @@ impl ModelState {
             .iter()
             .map(|(rk, w)| (rk, w.map(|t| (clock - t).min(deadline))))
             .collect();
-        self.canon = format!(
-            "{} | {waits:?} | {:?}",
-            self.core.canonical_state(),
-            self.violation
-        );
+        self.canon = CANON_TEXT.with_borrow_mut(|text| {
+            use std::fmt::Write;
+            text.clear();
+            self.core.write_canonical_state(text);
+            let _ = write!(text, " | {waits:?} | {:?}", self.violation);
+            digest(text.as_bytes())
+        });
     }
 
     /// Jobs the IO layer owes a result: outstanding and not yet reported.
@@ -182,6 +188,22 @@ impl ModelState {
             .cloned()
             .collect()
     }
+}
+
+thread_local! {
+    /// One text buffer per checker thread, reused for every state it seals.
+    static CANON_TEXT: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// Two SipHash-1-3 sums of `bytes` under different prefixes, as one 128-bit digest.
+fn digest(bytes: &[u8]) -> u128 {
+    let half = |prefix: u8| {
+        let mut h = std::hash::DefaultHasher::new();
+        h.write_u8(prefix);
+        h.write(bytes);
+        h.finish()
+    };
+    (u128::from(half(0)) << 64) | u128::from(half(1))
 }
 
 impl PartialEq for ModelState {
