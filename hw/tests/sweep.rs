@@ -56,6 +56,24 @@ fn a_sweep_reports_every_policy_at_every_capacity() {
 }
 
 #[test]
+fn without_capacities_a_sweep_spans_one_to_fifty_percent() {
+    let out = bench(&["--policy", "lru,reuse", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let fractions: Vec<f64> = report["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| r["fraction"].as_f64().expect("fraction"))
+        .collect();
+    assert_eq!(fractions, [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5]);
+}
+
+#[test]
 fn a_bad_capacity_or_several_nodes_are_refused() {
     for (args, message) in [
         (&["--fraction", "1.5"][..], "--fraction"),

@@ -68,8 +68,9 @@ struct BenchArgs {
     policy: Vec<String>,
     /// A policy sweep: replay the workload through the core's primary alone (no IO) with
     /// vLLM 0.33's call sequence, for each --policy (default all three) at each capacity,
-    /// given as fractions of the workload's distinct blocks (`0.025,0.05,0.1`), and print
-    /// the hit ratios as a table beside Belady's optimum.
+    /// given as fractions of the workload's distinct blocks (`0.025,0.05,0.1`; by default
+    /// seven from 1 % to 50 %: 0.01,0.02,0.05,0.1,0.2,0.3,0.5), and print the hit ratios as
+    /// a table beside Belady's optimum.
     #[arg(long, value_delimiter = ',', value_name = "F,..")]
     fraction: Vec<f64>,
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
@@ -283,6 +284,10 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
     output(&report, args.json, report.wrong_blocks)
 }
 
+/// The sweep's capacities when none are given: from 1 % to 50 % of the distinct blocks, so
+/// that a policy that wins at small capacities and loses at large ones shows both.
+const DEFAULT_FRACTIONS: [f64; 7] = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5];
+
 /// `--policy a,b --fraction x,y`: the policy sweep's table.
 fn sweep_run(args: &BenchArgs, requests: &[Request]) -> Result<(), BenchError> {
     if args.nodes > 1 {
@@ -300,7 +305,7 @@ fn sweep_run(args: &BenchArgs, requests: &[Request]) -> Result<(), BenchError> {
             .collect()
     };
     let fractions = if args.fraction.is_empty() {
-        vec![0.025, 0.05, 0.1]
+        DEFAULT_FRACTIONS.to_vec()
     } else {
         args.fraction.clone()
     };
