@@ -74,6 +74,23 @@ fn without_capacities_a_sweep_spans_one_to_fifty_percent() {
 }
 
 #[test]
+fn a_sweep_above_a_tier_counts_promoted_hits() {
+    let out = bench(&["--fraction", "0.05", "--tier-fraction", "0.25", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(report["tier"]["policy"], "lru");
+    let row = &report["rows"][0];
+    assert!(row["tier_blocks"].as_u64().unwrap() > 0);
+    for c in row["cells"].as_array().expect("cells") {
+        assert!(c["promoted"].as_u64().unwrap() > 0, "{c}");
+    }
+}
+
+#[test]
 fn a_bad_capacity_or_several_nodes_are_refused() {
     for (args, message) in [
         (&["--fraction", "1.5"][..], "--fraction"),

@@ -22,7 +22,7 @@ pub use run::{Progress, Promotions, Report, TierReport, run};
 pub use settings::{
     BenchSettings, FileSettings, FileTier, TierSettings, parse_bytes, parse_policy,
 };
-pub use sweep::{SweepCell, SweepReport, SweepRow, sweep};
+pub use sweep::{SweepCell, SweepReport, SweepRow, SweepTier, sweep};
 pub use temp::{TEMP_TIER_PREFIX, sweep_temporary_tiers};
 pub use workload::{
     Request, Synthetic, TraceLimits, parse_trace, parse_trace_keeping, parse_trace_with,

@@ -8,10 +8,19 @@
 //! A hit is a block answered Hit at its request's lookup. The policy alone decides the
 //! figures, so a sweep of 3 policies × 3 capacities over the 122k-block Mooncake trace takes
 //! seconds.
+//!
+//! With a secondary tier ([`SweepTier`]), the primary's evictions cascade to it and its blocks
+//! are promoted back, as in a run, but every job ends at once and succeeds, in the order the
+//! core submits it: the figures are the policies' alone, with IO that always keeps up (a run's
+//! figures also depend on the disk: cascades skipped for back-pressure, promotions that end
+//! after the request gave up waiting).
 
 use std::fmt;
 
-use kvtier_core::{Config, Key, Lookup, Manager, PolicyKind, RequestId};
+use kvtier_core::{
+    Config, Effect, JobResult, Key, Lookup, Manager, Outcome, PolicyKind, RequestId, TierConfig,
+    TierKind,
+};
 
 use super::BenchError;
 use super::belady::optimal_hits;
@@ -23,8 +32,10 @@ use super::workload::Request;
 pub struct SweepCell {
     /// The primary's policy.
     pub policy: &'static str,
-    /// Blocks answered Hit.
+    /// Blocks answered Hit from the primary.
     pub hits: u64,
+    /// Blocks promoted from the secondary tier and then read (0 without one).
+    pub promoted: u64,
     /// Blocks the primary evicted.
     pub evicted: u64,
 }
@@ -38,6 +49,10 @@ pub struct SweepRow {
     pub blocks: u32,
     /// Belady's optimum at this capacity (blocks that could be hits).
     pub optimum: u64,
+    /// The secondary tier's capacity in blocks (0 without one).
+    pub tier_blocks: u32,
+    /// Belady's optimum with the primary's and the tier's capacity together.
+    pub optimum_all: u64,
     /// One cell per policy, in the order asked.
     pub cells: Vec<SweepCell>,
 }
@@ -53,13 +68,31 @@ pub struct SweepReport {
     pub distinct: usize,
     /// One row per capacity, in the order asked.
     pub rows: Vec<SweepRow>,
+    /// The secondary tier, if one was asked for.
+    pub tier: Option<SweepTier>,
 }
 
-/// Replays `requests` under every policy at every fraction of the distinct blocks.
+/// A file-like (authoritative) secondary tier below the primary in a sweep.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct SweepTier {
+    /// Its capacity as a fraction of the workload's distinct blocks.
+    pub fraction: f64,
+    /// Its eviction policy (`Lru` or `Arc`).
+    #[serde(serialize_with = "policy_by_name")]
+    pub policy: PolicyKind,
+}
+
+fn policy_by_name<S: serde::Serializer>(p: &PolicyKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(policy_name(*p))
+}
+
+/// Replays `requests` under every policy at every fraction of the distinct blocks, above
+/// `tier` if one is given.
 pub fn sweep(
     requests: &[Request],
     policies: &[PolicyKind],
     fractions: &[f64],
+    tier: Option<SweepTier>,
 ) -> Result<SweepReport, BenchError> {
     let refs: Vec<u64> = requests
         .iter()
@@ -82,15 +115,32 @@ pub fn sweep(
                 "fraction (--fraction): each capacity must be above 0 and at most 1, got {fraction}"
             )));
         }
+        if let Some(t) = tier
+            && !(t.fraction > 0.0 && t.fraction <= 1.0 && t.policy != PolicyKind::Reuse)
+        {
+            return Err(bad(format!(
+                "tier (--tier-fraction, --tier-policy): a capacity above 0 and at most 1 and the policy lru or arc, got {} and {}",
+                t.fraction,
+                policy_name(t.policy)
+            )));
+        }
         let blocks = ((distinct as f64 * fraction) as u32).max(1);
+        let tier_blocks = tier.map_or(0, |t| ((distinct as f64 * t.fraction) as u32).max(1));
         let cells = policies
             .iter()
-            .map(|&p| replay(&keys, p, blocks))
+            .map(|&p| replay(&keys, p, blocks, tier.map(|t| (t.policy, tier_blocks))))
             .collect::<Result<_, _>>()?;
+        let optimum = optimal_hits(&refs, blocks as usize);
         rows.push(SweepRow {
             fraction,
             blocks,
-            optimum: optimal_hits(&refs, blocks as usize),
+            optimum,
+            tier_blocks,
+            optimum_all: if tier.is_some() {
+                optimal_hits(&refs, blocks as usize + tier_blocks as usize)
+            } else {
+                optimum
+            },
             cells,
         });
     }
@@ -99,6 +149,7 @@ pub fn sweep(
         blocks: refs.len() as u64,
         distinct,
         rows,
+        tier,
     })
 }
 
@@ -109,33 +160,69 @@ fn bad(reason: String) -> BenchError {
     }
 }
 
-fn replay(requests: &[Vec<Key>], policy: PolicyKind, blocks: u32) -> Result<SweepCell, BenchError> {
+fn replay(
+    requests: &[Vec<Key>],
+    policy: PolicyKind,
+    blocks: u32,
+    tier: Option<(PolicyKind, u32)>,
+) -> Result<SweepCell, BenchError> {
     let mut config = Config::new(blocks);
     config.policy = policy;
     config.events = false;
+    if let Some((tier_policy, capacity)) = tier {
+        let mut t = TierConfig::new(TierKind::Authoritative, capacity);
+        t.policy = tier_policy;
+        config.tiers.push(t);
+    }
     let core = |e: kvtier_core::Error| bad(format!("the core refused a call: {e}"));
     let mut m = Manager::new(config).map_err(|e| bad(e.to_string()))?;
-    let mut hits = 0;
+    let (mut hits, mut promoted) = (0, 0);
     for (n, keys) in requests.iter().enumerate() {
         let req = RequestId(n as u64);
         m.new_request(req);
         for (i, k) in keys.iter().enumerate() {
             m.set_position(req, k, BLOCK_TOKENS * (i as u64 + 1));
         }
-        let hit = keys
-            .iter()
-            .take_while(|k| m.lookup(req, k) == Lookup::Hit)
-            .count();
-        hits += hit as u64;
+        // vLLM 0.33's scheduler: lookups until the first Miss; a HitPending or Retry answer
+        // (a promotion, started by the lookup) defers the request a step, after which the
+        // promotion has ended (every job ends at once) and the block is a Hit.
+        // A block answered HitPending or Retry at any lookup is a promoted hit if read.
+        let mut waited_for = vec![false; keys.len()];
+        let mut waited = 0;
+        let hit = loop {
+            let mut deferred = false;
+            let mut hit = 0;
+            for (i, k) in keys.iter().enumerate() {
+                match m.lookup(req, k) {
+                    Lookup::Hit => hit += usize::from(!deferred),
+                    Lookup::HitPending | Lookup::Retry => {
+                        deferred = true;
+                        waited_for[i] = true;
+                    }
+                    _ => break, // Miss
+                }
+            }
+            if !deferred || waited == MAX_WAIT_STEPS {
+                break hit;
+            }
+            waited += 1;
+            m.end_step();
+            end_jobs(&mut m)?;
+        };
+        let from_tier = waited_for[..hit].iter().filter(|&&w| w).count();
+        hits += (hit - from_tier) as u64;
+        promoted += from_tier as u64;
         if hit > 0 {
             m.prepare_load(req, &keys[..hit]).map_err(core)?;
             m.end_step();
+            end_jobs(&mut m)?;
             m.complete_load(&keys[..hit]).map_err(core)?;
         }
         if hit < keys.len() {
             match m.prepare_store(req, &keys[hit..]) {
                 Ok(p) => {
                     m.end_step();
+                    end_jobs(&mut m)?;
                     if !p.keys.is_empty() {
                         m.complete_store(req, &p.keys, true);
                     }
@@ -146,20 +233,49 @@ fn replay(requests: &[Vec<Key>], policy: PolicyKind, blocks: u32) -> Result<Swee
         }
         m.request_finished(req);
         m.end_step();
+        end_jobs(&mut m)?;
     }
     Ok(SweepCell {
         policy: policy_name(policy),
         hits,
+        promoted,
         evicted: m.stats().evictions,
     })
+}
+
+/// Steps a request waits for its promotions at most (one is enough when every job ends at
+/// once; more only if the core defers again).
+const MAX_WAIT_STEPS: u32 = 4;
+
+/// Ends every job the core has submitted, successfully, in order; the results apply at the
+/// core's next collection.
+fn end_jobs(m: &mut Manager) -> Result<(), BenchError> {
+    while let Some(effect) = m.poll_effect() {
+        if let Effect::Submit(job) = effect {
+            m.handle_job_result(JobResult {
+                job: job.id,
+                outcome: Outcome::Ok,
+            })
+            .map_err(|e| bad(format!("the core refused a job's result: {e}")))?;
+        }
+    }
+    Ok(())
 }
 
 impl fmt::Display for SweepReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ratio = |hits: u64| hits as f64 / self.blocks.max(1) as f64;
+        let below = match self.tier {
+            None => "the primary alone".to_string(),
+            Some(t) => format!(
+                "above a secondary tier of {:.1} % ({}), every job ending at once",
+                t.fraction * 100.0,
+                policy_name(t.policy)
+            ),
+        };
         writeln!(
             f,
-            "policy sweep: {} requests, {} blocks, {} distinct; the primary alone, vLLM 0.33's call sequence",
+            "policy sweep: {} requests, {} blocks, {} distinct; {below}, vLLM 0.33's call sequence",
             self.requests, self.blocks, self.distinct
         )?;
         write!(f, "{:>9} {:>9} {:>8}", "capacity", "blocks", "optimum")?;
@@ -175,23 +291,29 @@ impl fmt::Display for SweepReport {
                 "{:>8.1}% {:>9} {:>8.4}",
                 row.fraction * 100.0,
                 row.blocks,
-                ratio(row.optimum)
+                ratio(row.optimum_all)
             )?;
-            let first = row.cells.first().map_or(0, |c| c.hits);
+            let all = |c: &SweepCell| c.hits + c.promoted;
+            let first = row.cells.first().map_or(0, all);
             for (i, c) in row.cells.iter().enumerate() {
                 if i == 0 {
-                    write!(f, " {:>16.4}", ratio(c.hits))?;
+                    write!(f, " {:>16.4}", ratio(all(c)))?;
                 } else {
-                    let vs = c.hits as f64 / first.max(1) as f64;
-                    write!(f, " {:>16}", format!("{:.4} ({vs:.3}×)", ratio(c.hits)))?;
+                    let vs = all(c) as f64 / first.max(1) as f64;
+                    write!(f, " {:>16}", format!("{:.4} ({vs:.3}×)", ratio(all(c))))?;
                 }
             }
             writeln!(f)?;
         }
         if let Some(first) = self.rows.first().and_then(|r| r.cells.first()) {
+            let what = if self.tier.is_some() {
+                "overall hit ratio (the primary's hits and the tier's promoted ones); the optimum with both capacities"
+            } else {
+                "hit ratio of the primary"
+            };
             writeln!(
                 f,
-                "hit ratio of the primary; (n×) is the hits against the first policy, {}",
+                "{what}; (n×) is the hits against the first policy, {}",
                 first.policy
             )?;
         }
@@ -226,7 +348,7 @@ mod tests {
     fn a_sweep_replays_every_policy_at_every_capacity() {
         let w = workload();
         let policies = [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse];
-        let r = sweep(&w, &policies, &[0.1, 0.5]).unwrap();
+        let r = sweep(&w, &policies, &[0.1, 0.5], None).unwrap();
         assert_eq!(r.requests, w.len());
         assert_eq!(r.rows.len(), 2);
         for row in &r.rows {
@@ -245,8 +367,45 @@ mod tests {
     }
 
     #[test]
+    fn a_tier_below_catches_what_the_primary_evicted() {
+        let w = workload();
+        let policies = [PolicyKind::Lru, PolicyKind::Reuse];
+        let alone = sweep(&w, &policies, &[0.1], None).unwrap();
+        let tier = SweepTier {
+            fraction: 0.5,
+            policy: PolicyKind::Lru,
+        };
+        let tiered = sweep(&w, &policies, &[0.1], Some(tier)).unwrap();
+        let (a, t) = (&alone.rows[0], &tiered.rows[0]);
+        assert_eq!(a.tier_blocks, 0);
+        assert_eq!(a.optimum_all, a.optimum);
+        assert!(t.tier_blocks > 0 && t.optimum_all > t.optimum, "{t:?}");
+        for (a, t) in a.cells.iter().zip(&t.cells) {
+            assert_eq!(a.promoted, 0, "no tier, no promotion: {a:?}");
+            // A primary of a tenth keeps neither conversation; the tier holds both, so every
+            // turn after the first reads its prefix back through a promotion.
+            assert!(t.promoted > 0, "{t:?}");
+            assert!(
+                t.hits + t.promoted > a.hits && t.hits + t.promoted <= tiered.rows[0].optimum_all,
+                "{a:?} then {t:?}"
+            );
+        }
+        let text = tiered.to_string();
+        assert!(text.contains("secondary tier of 50.0 % (lru)"), "{text}");
+    }
+
+    #[test]
+    fn a_tier_out_of_range_or_of_the_reuse_policy_is_refused() {
+        for (fraction, policy) in [(0.0, PolicyKind::Lru), (0.5, PolicyKind::Reuse)] {
+            let tier = SweepTier { fraction, policy };
+            let err = sweep(&workload(), &[PolicyKind::Lru], &[0.1], Some(tier)).unwrap_err();
+            assert!(err.to_string().contains("--tier-fraction"), "{err}");
+        }
+    }
+
+    #[test]
     fn a_capacity_out_of_range_is_refused() {
-        let err = sweep(&workload(), &[PolicyKind::Lru], &[0.0]).unwrap_err();
+        let err = sweep(&workload(), &[PolicyKind::Lru], &[0.0], None).unwrap_err();
         assert!(err.to_string().contains("--fraction"), "{err}");
     }
 }

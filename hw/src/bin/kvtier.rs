@@ -73,6 +73,14 @@ struct BenchArgs {
     /// a table beside Belady's optimum.
     #[arg(long, value_delimiter = ',', value_name = "F,..")]
     fraction: Vec<f64>,
+    /// With a policy sweep: a secondary tier below the primary, its capacity a fraction of
+    /// the distinct blocks (`0.25`); evictions cascade to it and its blocks are promoted back,
+    /// every job ending at once, and the table shows the overall hit ratio.
+    #[arg(long, value_name = "F")]
+    tier_fraction: Option<f64>,
+    /// The eviction policy of the sweep's secondary tier (--tier-fraction).
+    #[arg(long, ignore_case = true, value_parser = ["lru", "arc"], default_value = "lru")]
+    tier_policy: String,
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
     requests: Option<usize>,
@@ -103,6 +111,8 @@ impl BenchArgs {
             block_bytes,
             policy,
             fraction: _,
+            tier_fraction: _,
+            tier_policy: _,
             requests,
             nodes,
             node: _,
@@ -268,7 +278,7 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
     if let Some(node) = args.node {
         return node_run(&args, &settings, node, stop);
     }
-    if !args.fraction.is_empty() || args.policy.len() > 1 {
+    if !args.fraction.is_empty() || args.policy.len() > 1 || args.tier_fraction.is_some() {
         return sweep_run(&args, &workload(&args, None)?);
     }
     // The parent's check alone: a node would measure memory its siblings already took.
@@ -309,7 +319,11 @@ fn sweep_run(args: &BenchArgs, requests: &[Request]) -> Result<(), BenchError> {
     } else {
         args.fraction.clone()
     };
-    let report = bench::sweep(requests, &policies, &fractions)?;
+    let tier = args.tier_fraction.map(|fraction| bench::SweepTier {
+        fraction,
+        policy: bench::parse_policy(&args.tier_policy).expect("clap checked the value"),
+    });
+    let report = bench::sweep(requests, &policies, &fractions, tier)?;
     output(&report, args.json, 0)
 }
 
