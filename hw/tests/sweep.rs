@@ -17,15 +17,20 @@ fn bench(args: &[&str]) -> Output {
         .expect("the kvtier binary runs")
 }
 
-#[test]
-fn a_sweep_reports_every_policy_at_every_capacity() {
-    let out = bench(&["--fraction", "0.05,0.1", "--json"]);
+/// The JSON report of a sweep that must succeed.
+fn report(args: &[&str]) -> serde_json::Value {
+    let out = bench(args);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    serde_json::from_slice(&out.stdout).expect("JSON")
+}
+
+#[test]
+fn a_sweep_reports_every_policy_at_every_capacity() {
+    let report = report(&["--fraction", "0.05,0.1", "--json"]);
     let rows = report["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), 2);
     let blocks = report["blocks"].as_u64().expect("blocks");
@@ -57,13 +62,7 @@ fn a_sweep_reports_every_policy_at_every_capacity() {
 
 #[test]
 fn without_capacities_a_sweep_spans_one_to_fifty_percent() {
-    let out = bench(&["--policy", "lru,reuse", "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let report = report(&["--policy", "lru,reuse", "--json"]);
     let fractions: Vec<f64> = report["rows"]
         .as_array()
         .expect("rows")
@@ -75,13 +74,7 @@ fn without_capacities_a_sweep_spans_one_to_fifty_percent() {
 
 #[test]
 fn a_sweep_above_a_tier_counts_promoted_hits() {
-    let out = bench(&["--fraction", "0.05", "--tier-fraction", "0.25", "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let report = report(&["--fraction", "0.05", "--tier-fraction", "0.25", "--json"]);
     assert_eq!(report["tier"]["policy"], "lru");
     let row = &report["rows"][0];
     assert!(row["tier_blocks"].as_u64().unwrap() > 0);

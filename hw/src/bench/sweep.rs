@@ -108,6 +108,17 @@ pub fn sweep(
         .iter()
         .map(|r| r.blocks.iter().map(|&b| key(b)).collect())
         .collect();
+    if let Some(t) = tier
+        && !(t.fraction > 0.0 && t.fraction <= 1.0 && t.policy != PolicyKind::Reuse)
+    {
+        return Err(bad(format!(
+            "tier (--tier-fraction, --tier-policy): a capacity above 0 and at most 1 and the policy lru or arc, got {} and {}",
+            t.fraction,
+            policy_name(t.policy)
+        )));
+    }
+    let tier_blocks = tier.map_or(0, |t| ((distinct as f64 * t.fraction) as u32).max(1));
+    let below = tier.map(|t| (t.policy, tier_blocks));
     let mut rows = Vec::new();
     for &fraction in fractions {
         if !(fraction > 0.0 && fraction <= 1.0) {
@@ -115,20 +126,10 @@ pub fn sweep(
                 "fraction (--fraction): each capacity must be above 0 and at most 1, got {fraction}"
             )));
         }
-        if let Some(t) = tier
-            && !(t.fraction > 0.0 && t.fraction <= 1.0 && t.policy != PolicyKind::Reuse)
-        {
-            return Err(bad(format!(
-                "tier (--tier-fraction, --tier-policy): a capacity above 0 and at most 1 and the policy lru or arc, got {} and {}",
-                t.fraction,
-                policy_name(t.policy)
-            )));
-        }
         let blocks = ((distinct as f64 * fraction) as u32).max(1);
-        let tier_blocks = tier.map_or(0, |t| ((distinct as f64 * t.fraction) as u32).max(1));
         let cells = policies
             .iter()
-            .map(|&p| replay(&keys, p, blocks, tier.map(|t| (t.policy, tier_blocks))))
+            .map(|&p| replay(&keys, p, blocks, below))
             .collect::<Result<_, _>>()?;
         let optimum = optimal_hits(&refs, blocks as usize);
         rows.push(SweepRow {
