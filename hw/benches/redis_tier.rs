@@ -36,7 +36,7 @@ use kvtier_hw::{RedisOptions, RedisStore, SecondaryStore};
 use redis_server::RedisServer;
 
 const JOB: usize = 16;
-/// Bytes before a value's key (`redis_store.rs`'s header).
+/// Bytes before a value's key (`store/redis.rs`'s header).
 const HEADER: usize = 32;
 const SIZES: [usize; 2] = [256 << 10, 16 << 10];
 

@@ -22,13 +22,11 @@ mod checksum;
 mod driver;
 mod engine;
 mod faulty;
-mod file;
 #[allow(unsafe_code)]
 mod hosted;
 mod io;
 mod metrics;
 mod queue;
-mod redis_store;
 #[allow(unsafe_code)]
 mod region;
 mod store;
@@ -47,21 +45,21 @@ pub use engine::{
     TransferEngine, TransferId,
 };
 pub use faulty::{FaultCounts, FaultHandle, Faults, FaultyStore};
-pub use file::{
-    CHECKPOINT_FILE, DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, FsyncPolicy, INDEX_FILE,
-    LOCK_FILE, MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
-};
 pub use hosted::{HostRows, HostedDone, HostedDriver, HostedIoStats};
 pub use io::{JobPath, TierDone};
 pub use metrics::{
     IoMetrics, PROMOTION_LATENCIES_KEPT, Path, PathMetrics, PathSummary, TierMetrics,
 };
 pub use queue::{Countdown, Queue};
-pub use redis_store::{RedisOptions, RedisStore};
 pub use region::{
     ANONYMOUS_PREFIX, HostMemory, Layout, PAGE, Region, RegionError, RegionKind, free_bytes,
     page_align,
 };
+pub use store::file::{
+    CHECKPOINT_FILE, DATA_FILE, FORMAT_VERSION, FileOptions, FileStore, FsyncPolicy, INDEX_FILE,
+    LOCK_FILE, MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
+};
+pub use store::redis::{RedisOptions, RedisStore};
 pub use store::{SecondaryStore, StoreError};
 
 #[cfg(feature = "cuda")]

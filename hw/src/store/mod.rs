@@ -5,6 +5,9 @@
 //! written or deleted when is decided by the core's tier index: a store never evicts on its
 //! own, and the core never deletes a block that a job reads or writes (I8).
 
+pub(crate) mod file;
+pub(crate) mod redis;
+
 use std::io;
 use std::path::PathBuf;
 
