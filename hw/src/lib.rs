@@ -60,6 +60,7 @@ pub use store::file::{
     LOCK_FILE, MAX_IDENTITY_BYTES, MAX_KEY_BYTES, OpenReport, TEMP_FILE, crash,
 };
 pub use store::redis::{RedisOptions, RedisStore};
+pub use store::s3::{S3Options, S3Store};
 pub use store::{SecondaryStore, StoreError};
 
 #[cfg(feature = "cuda")]

@@ -1,7 +1,7 @@
 //! A kvtier node over real parts for the integration tests: a region in a temporary
 //! directory, device memory on the host, the host transfer engine and the tiers a test gives;
 //! and the steps the tests repeat (store a block, look it up until the answer is final, load
-//! it, wait for a tier's health). Used by `end_to_end.rs` and `redis.rs`.
+//! it, wait for a tier's health). Used by `end_to_end.rs`, `redis.rs` and `s3.rs`.
 
 #![allow(dead_code)] // each test binary uses a part
 

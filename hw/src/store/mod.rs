@@ -7,6 +7,8 @@
 
 pub(crate) mod file;
 pub(crate) mod redis;
+pub(crate) mod s3;
+pub(crate) mod value;
 
 use std::io;
 use std::path::PathBuf;

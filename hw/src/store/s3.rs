@@ -1,0 +1,595 @@
+//! A shared tier on S3 object storage (AWS S3, or any S3-compatible server: SeaweedFS,
+//! MinIO, Ceph RGW): one cache for a fleet, in the object store it already runs.
+//!
+//! Like the Redis tier it is *shared*: every node with the same bucket, prefix and identity
+//! reads what the others wrote, found through existence probes (the core's rules T4–T6), and
+//! this node never deletes (T14): evicting forgets a block here; the bucket's own lifecycle
+//! rules bound its space. A block the store no longer holds is missing, not a failure (J6,
+//! T15).
+//!
+//! **Objects.** Each block is one object in the remote stores' checked format (header, full
+//! key, bytes; `store/value.rs`), verified before anything is served: magic, version, key,
+//! length and XXH3-64. An object that fails a check (torn by hand, another tool's object under
+//! a block's name, a block of another identity) is a failed read, counted and never served.
+//!
+//! **Names.** `{prefix}/{identity hash}/{key in hex}` in the bucket, where the identity hash
+//! covers the model, its KV layout and the block size (as for Redis): two deployments that
+//! differ in any of them never read each other's blocks.
+//!
+//! **Writes** are conditional where the server supports it (`If-None-Match: *`, the default):
+//! when two nodes store one block, the first object stays whole and the second write is
+//! answered "already exists", which is a success (the block is there). A server that ignores
+//! the condition replaces the object whole: an S3 `PUT` is atomic, so a reader sees one
+//! writer's object or the other's, never a mix.
+//!
+//! **Time.** The `object_store` crate does the protocol: signing (SigV4), retries with backoff,
+//! connection pooling. Its calls are async; the store keeps a small tokio runtime, and a call
+//! from an IO thread (a job's puts or gets, a step's probes) blocks on it. Every call has one
+//! deadline, its start plus the tier's timeout: each request of the call (they run
+//! concurrently, at most [`CONCURRENCY`] at a time) is cut at the deadline, and the client's
+//! own timeout and retries stay within it. A frozen server therefore fails the call at its
+//! deadline; the core marks the tier Down and probes it with `check` until it answers.
+//!
+//! **Credentials** come from environment variables the configuration names (never from the
+//! configuration file). With none named the requests are unsigned (a public or anonymous
+//! bucket); instance-profile and web-identity credentials are not read.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvtier_core::{Key, TierKind};
+use object_store::aws::{AmazonS3, AmazonS3Builder, S3ConditionalPut};
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    RetryConfig,
+};
+use tokio::time::Instant;
+
+use crate::store::value::{decode, encode};
+use crate::store::{SecondaryStore, StoreError};
+
+/// Requests of one call in flight at a time.
+pub(crate) const CONCURRENCY: usize = 32;
+
+/// The name probed by `check` (never written): an answer, found or not, means the server
+/// is up and takes the credentials.
+const HEALTH_PROBE: &str = "health-probe";
+
+/// How to reach an S3 bucket, and how this node uses it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct S3Options {
+    /// The server's URL (`http://127.0.0.1:8333`, `https://minio.example:9000`); `None`
+    /// reaches AWS S3 in `region`.
+    pub endpoint: Option<String>,
+    /// The bucket (it must exist: the tier never creates one).
+    pub bucket: String,
+    /// The first part of every object's name, shared by the nodes that share blocks; `/`
+    /// separates its parts. Not empty.
+    pub prefix: String,
+    /// The region requests are signed for (S3-compatible servers mostly accept any).
+    pub region: String,
+    /// What makes blocks interchangeable (model, KV layout, block size): hashed into every
+    /// name, so another deployment's blocks are never read. Not empty.
+    pub identity: String,
+    /// The access key id, if requests are signed.
+    pub access_key_id: Option<String>,
+    /// The secret access key (never printed: `Debug` shows whether there is one).
+    pub secret_access_key: Option<String>,
+    /// A session token, with temporary credentials.
+    pub session_token: Option<String>,
+    /// Virtual-hosted addressing (`bucket.host/name`, AWS's default) instead of path-style
+    /// (`host/bucket/name`, what most S3-compatible servers expect).
+    pub virtual_hosted: bool,
+    /// The deadline of one call (a job's reads or writes, a step's probes), counted from its
+    /// start; each request's retries stay within it.
+    pub timeout: Duration,
+    /// How many times a request that failed for a reason worth retrying (a 5xx, a dropped
+    /// connection) is sent again, within the call's deadline.
+    pub retries: usize,
+    /// Writes carry `If-None-Match: *`, so a block two nodes store is written once.
+    pub conditional_put: bool,
+}
+
+impl std::fmt::Debug for S3Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Options")
+            .field("endpoint", &self.endpoint)
+            .field("bucket", &self.bucket)
+            .field("prefix", &self.prefix)
+            .field("region", &self.region)
+            .field("identity", &self.identity)
+            .field("access_key_id", &self.access_key_id)
+            .field(
+                "secret_access_key",
+                &self.secret_access_key.as_ref().map(|_| "(set)"),
+            )
+            .field(
+                "session_token",
+                &self.session_token.as_ref().map(|_| "(set)"),
+            )
+            .field("virtual_hosted", &self.virtual_hosted)
+            .field("timeout", &self.timeout)
+            .field("retries", &self.retries)
+            .field("conditional_put", &self.conditional_put)
+            .finish()
+    }
+}
+
+impl Default for S3Options {
+    fn default() -> Self {
+        S3Options {
+            endpoint: None,
+            bucket: String::new(),
+            prefix: "kvtier".into(),
+            region: "us-east-1".into(),
+            identity: String::new(),
+            access_key_id: None,
+            secret_access_key: None,
+            session_token: None,
+            virtual_hosted: false,
+            timeout: Duration::from_secs(5),
+            retries: 2,
+            conditional_put: true,
+        }
+    }
+}
+
+impl S3Options {
+    /// Reads the credentials from the environment variables a configuration names: `lookup`
+    /// is the environment (`|v| std::env::var(v).ok()`). A named variable that is not set is
+    /// an error naming it; a key id without a secret (or the reverse) is an error too.
+    pub fn credentials_from(
+        &mut self,
+        access_key_id_env: Option<&str>,
+        secret_access_key_env: Option<&str>,
+        session_token_env: Option<&str>,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), StoreError> {
+        let read = |var: Option<&str>, what: &str| -> Result<Option<String>, StoreError> {
+            var.map(|v| {
+                lookup(v).ok_or_else(|| {
+                    StoreError::BadInput(format!(
+                        "the S3 {what} is to come from the environment variable {v}, which is not set"
+                    ))
+                })
+            })
+            .transpose()
+        };
+        self.access_key_id = read(access_key_id_env, "access key id")?;
+        self.secret_access_key = read(secret_access_key_env, "secret access key")?;
+        self.session_token = read(session_token_env, "session token")?;
+        if self.access_key_id.is_some() != self.secret_access_key.is_some() {
+            return Err(StoreError::BadInput(
+                "an S3 tier signs with an access key id and a secret access key together: \
+                 name both variables, or neither (unsigned requests)"
+                    .into(),
+            ));
+        }
+        if self.session_token.is_some() && self.access_key_id.is_none() {
+            return Err(StoreError::BadInput(
+                "an S3 session token needs an access key id and a secret access key".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The S3 tier.
+pub struct S3Store {
+    client: Arc<AmazonS3>,
+    runtime: tokio::runtime::Runtime,
+    /// `{prefix}/{identity hash}`.
+    prefix: ObjectPath,
+    block_bytes: usize,
+    capacity_blocks: u32,
+    timeout: Duration,
+    put_mode: PutMode,
+    /// `s3://bucket` and the endpoint, for messages.
+    server: String,
+}
+
+impl std::fmt::Debug for S3Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Store")
+            .field("server", &self.server)
+            .field("prefix", &self.prefix.as_ref())
+            .field("block_bytes", &self.block_bytes)
+            .field("capacity_blocks", &self.capacity_blocks)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// Whether an error says the credentials were refused.
+fn refused(e: &object_store::Error) -> bool {
+    matches!(
+        e,
+        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
+    ) || {
+        // Some servers answer a bad signature with a 403 that the client reports as generic.
+        let text = e.to_string();
+        [
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "AccessDenied",
+            "403",
+        ]
+        .iter()
+        .any(|m| text.contains(m))
+    }
+}
+
+impl S3Store {
+    /// Opens the store: checks the settings, builds the client, and asks the server once (a
+    /// listing under the tier's names), so that a missing bucket or refused credentials are an
+    /// error now, not a tier that is Down from its first job. A server that does not answer
+    /// yet gives a tier that starts Down-bound (its health probes bring it Up). `block_bytes`
+    /// is the size of every block; this node tracks at most `capacity_bytes / block_bytes`.
+    pub fn open(
+        options: &S3Options,
+        block_bytes: usize,
+        capacity_bytes: u64,
+    ) -> Result<Self, StoreError> {
+        let bad = |m: String| Err(StoreError::BadInput(m));
+        if options.bucket.is_empty() {
+            return bad("an S3 tier needs a bucket".into());
+        }
+        if options.identity.is_empty() {
+            return bad(
+                "an S3 tier needs an identity (the model, its KV layout, the block size): \
+                 without one, deployments of other models would read each other's blocks"
+                    .into(),
+            );
+        }
+        if options.timeout.is_zero() {
+            return bad("an S3 tier's timeout must be above zero".into());
+        }
+        let prefix = match ObjectPath::parse(&options.prefix) {
+            Ok(p) if !options.prefix.is_empty() => p,
+            Ok(_) => return bad("an S3 tier's prefix must not be empty".into()),
+            Err(e) => return bad(format!("S3 prefix {:?}: {e}", options.prefix)),
+        };
+        if block_bytes == 0 {
+            return bad("blocks of zero bytes".into());
+        }
+        let capacity_blocks = u32::try_from(capacity_bytes / block_bytes as u64)
+            .unwrap_or(u32::MAX)
+            .min(u32::MAX - 1);
+        if capacity_blocks == 0 {
+            return bad(format!(
+                "capacity {capacity_bytes} bytes holds no {block_bytes}-byte block"
+            ));
+        }
+        let endpoint = options.endpoint.as_deref();
+        if let Some(e) = endpoint
+            && !(e.starts_with("http://") || e.starts_with("https://"))
+        {
+            return bad(format!(
+                "S3 endpoint {e:?}: expected a URL starting with http:// or https://"
+            ));
+        }
+        let client_options = ClientOptions::new()
+            .with_timeout(options.timeout)
+            .with_connect_timeout(options.timeout)
+            .with_allow_http(endpoint.is_some_and(|e| e.starts_with("http://")));
+        let retry = RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(20),
+                max_backoff: (options.timeout / 4).max(Duration::from_millis(20)),
+                base: 2.0,
+            },
+            max_retries: options.retries,
+            retry_timeout: options.timeout,
+        };
+        let mut builder = AmazonS3Builder::new()
+            .with_bucket_name(&options.bucket)
+            .with_region(&options.region)
+            .with_virtual_hosted_style_request(options.virtual_hosted)
+            .with_client_options(client_options)
+            .with_retry(retry)
+            .with_conditional_put(if options.conditional_put {
+                S3ConditionalPut::ETagMatch
+            } else {
+                S3ConditionalPut::Disabled
+            });
+        if let Some(e) = endpoint {
+            builder = builder.with_endpoint(e);
+        }
+        match (&options.access_key_id, &options.secret_access_key) {
+            (Some(id), Some(secret)) => {
+                builder = builder
+                    .with_access_key_id(id)
+                    .with_secret_access_key(secret);
+                if let Some(t) = &options.session_token {
+                    builder = builder.with_token(t);
+                }
+            }
+            (None, None) => builder = builder.with_skip_signature(true),
+            _ => {
+                return bad(
+                    "an S3 tier signs with an access key id and a secret access key together"
+                        .into(),
+                );
+            }
+        }
+        let server = format!(
+            "s3://{} at {}",
+            options.bucket,
+            endpoint.unwrap_or("AWS S3")
+        );
+        let client = builder
+            .build()
+            .map_err(|e| StoreError::BadInput(format!("S3 tier {server}: {e}")))?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvtier-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Unavailable(format!("S3 tier {server}: a runtime: {e}")))?;
+        let identity =
+            xxhash_rust::xxh3::xxh3_64(format!("{}\0{block_bytes}", options.identity).as_bytes());
+        let store = S3Store {
+            client: Arc::new(client),
+            runtime,
+            prefix: prefix.join(format!("{identity:016x}")),
+            block_bytes,
+            capacity_blocks,
+            timeout: options.timeout,
+            put_mode: if options.conditional_put {
+                PutMode::Create
+            } else {
+                PutMode::Overwrite
+            },
+            server,
+        };
+        // A listing under a name that is never written: empty when the bucket exists and the
+        // credentials are taken.
+        let probe = store.prefix.clone().join(HEALTH_PROBE);
+        let listed = store.run(|_| async {
+            store
+                .client
+                .list_with_delimiter(Some(&probe))
+                .await
+                .map(|_| ())
+        });
+        match listed {
+            Ok(()) => {
+                tracing::info!(server = %store.server, prefix = %store.prefix, "s3 tier open");
+            }
+            Err(Failure::Client(e)) if refused(&e) => {
+                return Err(StoreError::Unavailable(format!(
+                    "{}: the server refused the credentials; check the access key id and the \
+                     secret (the variables access_key_id_env and secret_access_key_env name): {e}",
+                    store.server
+                )));
+            }
+            Err(Failure::Client(e @ object_store::Error::NotFound { .. })) => {
+                return Err(StoreError::BadInput(format!(
+                    "{}: the bucket does not exist (the tier never creates one): {e}",
+                    store.server
+                )));
+            }
+            Err(e) => {
+                tracing::warn!(server = %store.server, error = %store.failure(&e), "s3 tier opened, but its server does not answer yet");
+            }
+        }
+        Ok(store)
+    }
+
+    /// The start of every name this store writes and reads (`{prefix}/{identity hash}`).
+    pub fn prefix(&self) -> &str {
+        self.prefix.as_ref()
+    }
+
+    /// The name of `key`'s object.
+    pub fn name_of(&self, key: &Key) -> String {
+        self.path_of(key).to_string()
+    }
+
+    fn path_of(&self, key: &Key) -> ObjectPath {
+        let mut hex = String::with_capacity(2 * key.len());
+        for b in key.as_bytes() {
+            hex.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+            hex.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
+        }
+        self.prefix.clone().join(hex)
+    }
+
+    /// Runs one call on the runtime, given the call's deadline, by which it is cut.
+    fn run<T, F: Future<Output = Result<T, object_store::Error>>>(
+        &self,
+        call: impl FnOnce(Instant) -> F,
+    ) -> Result<T, Failure> {
+        self.runtime.block_on(async {
+            let deadline = Instant::now() + self.timeout;
+            match tokio::time::timeout_at(deadline, call(deadline)).await {
+                Ok(r) => r.map_err(Failure::Client),
+                Err(_) => Err(Failure::Deadline),
+            }
+        })
+    }
+
+    /// The requests of one call, each cut at the call's deadline, at most [`CONCURRENCY`] in
+    /// flight; one answer each, in order.
+    fn run_each<'a, T: 'a, F>(
+        &self,
+        requests: impl Iterator<Item = F> + 'a,
+    ) -> Vec<Result<T, Failure>>
+    where
+        F: Future<Output = Result<T, Failure>> + 'a,
+    {
+        self.runtime.block_on(async {
+            let deadline = Instant::now() + self.timeout;
+            futures::stream::iter(requests.map(|r| async move {
+                match tokio::time::timeout_at(deadline, r).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Failure::Deadline),
+                }
+            }))
+            .buffered(CONCURRENCY)
+            .collect()
+            .await
+        })
+    }
+
+    fn failure(&self, f: &Failure) -> StoreError {
+        match f {
+            Failure::Deadline => StoreError::Unavailable(format!(
+                "{}: no answer within the tier's timeout of {} ms",
+                self.server,
+                self.timeout.as_millis()
+            )),
+            Failure::Client(e) => StoreError::Unavailable(format!("{}: {e}", self.server)),
+            Failure::Store(_) => unreachable!("a store error is returned as is"),
+        }
+    }
+
+    fn error(&self, f: Failure) -> StoreError {
+        match f {
+            Failure::Store(e) => e,
+            f => self.failure(&f),
+        }
+    }
+
+    /// A block of the wrong size or a key that names no object is refused before any request.
+    fn check_block(&self, key: &Key, block: &[u8]) -> Result<(), StoreError> {
+        if block.len() != self.block_bytes {
+            return Err(StoreError::BadInput(format!(
+                "block of {} bytes for key {key}, the S3 tier stores {}-byte blocks",
+                block.len(),
+                self.block_bytes
+            )));
+        }
+        if key.is_empty() {
+            return Err(StoreError::BadInput("an empty key".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Why a request of a call failed.
+#[derive(Debug)]
+enum Failure {
+    /// The call's deadline passed first.
+    Deadline,
+    /// The client's error.
+    Client(object_store::Error),
+    /// A check of ours (the value's verification, a bad block).
+    Store(StoreError),
+}
+
+impl SecondaryStore for S3Store {
+    fn name(&self) -> &str {
+        "s3"
+    }
+
+    fn kind(&self) -> TierKind {
+        TierKind::Shared
+    }
+
+    fn capacity_blocks(&self) -> u32 {
+        self.capacity_blocks
+    }
+
+    fn put(&self, key: &Key, block: &[u8]) -> Result<(), StoreError> {
+        self.put_many(&[(key, block)])
+            .pop()
+            .expect("one result per block")
+    }
+
+    fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError> {
+        self.get_many(&mut [(key, block)])
+            .pop()
+            .expect("one result per block")
+    }
+
+    /// One `PUT` per block, concurrently; with conditional puts, a block another node wrote
+    /// first is there already, which is a success.
+    fn put_many(&self, blocks: &[(&Key, &[u8])]) -> Vec<Result<(), StoreError>> {
+        let requests = blocks.iter().map(|&(key, block)| async move {
+            self.check_block(key, block).map_err(Failure::Store)?;
+            let payload = PutPayload::from(encode(key, block));
+            let options = PutOptions {
+                mode: self.put_mode.clone(),
+                ..PutOptions::default()
+            };
+            match self
+                .client
+                .put_opts(&self.path_of(key), payload, options)
+                .await
+            {
+                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+                Err(e) => Err(Failure::Client(e)),
+            }
+        });
+        self.run_each(requests)
+            .into_iter()
+            .map(|r| r.map_err(|f| self.error(f)))
+            .collect()
+    }
+
+    /// One `GET` per block, concurrently, each verified before it is copied out.
+    fn get_many(&self, blocks: &mut [(&Key, &mut [u8])]) -> Vec<Result<(), StoreError>> {
+        let requests = blocks.iter_mut().map(|(key, out)| async move {
+            self.check_block(key, out).map_err(Failure::Store)?;
+            let value = match self.client.get(&self.path_of(key)).await {
+                Ok(r) => r.bytes().await.map_err(Failure::Client)?,
+                Err(object_store::Error::NotFound { .. }) => {
+                    return Err(Failure::Store(StoreError::NotFound {
+                        key: (*key).clone(),
+                    }));
+                }
+                Err(e) => return Err(Failure::Client(e)),
+            };
+            decode(key, &value, out).map_err(Failure::Store)
+        });
+        self.run_each(requests)
+            .into_iter()
+            .map(|r| r.map_err(|f| self.error(f)))
+            .collect()
+    }
+
+    /// A shared store never deletes (T14): other nodes may be reading the block.
+    fn delete(&self, key: &Key) -> Result<(), StoreError> {
+        tracing::debug!(%key, "a shared tier does not delete; the block is forgotten here only");
+        Ok(())
+    }
+
+    fn contains(&self, key: &Key) -> Result<bool, StoreError> {
+        self.contains_many(&[key])
+            .pop()
+            .expect("one answer per key")
+    }
+
+    /// One `HEAD` per key, concurrently.
+    fn contains_many(&self, keys: &[&Key]) -> Vec<Result<bool, StoreError>> {
+        let requests = keys.iter().map(|&key| async move {
+            match self.client.head(&self.path_of(key)).await {
+                Ok(_) => Ok(true),
+                Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Err(e) => Err(Failure::Client(e)),
+            }
+        });
+        self.run_each(requests)
+            .into_iter()
+            .map(|r| r.map_err(|f| self.error(f)))
+            .collect()
+    }
+
+    /// A `HEAD` of a name never written: "not found" is a server that answers.
+    fn check(&self) -> Result<(), StoreError> {
+        let probe = self.prefix.clone().join(HEALTH_PROBE);
+        match self.run(|_| async { self.client.head(&probe).await.map(|_| ()) }) {
+            Ok(()) | Err(Failure::Client(object_store::Error::NotFound { .. })) => Ok(()),
+            Err(f) => Err(self.error(f)),
+        }
+    }
+
+    /// Nothing: a shared tier's blocks are found by probes, not by a listing at start.
+    fn recovered(&self) -> Vec<Key> {
+        Vec::new()
+    }
+}
