@@ -6,6 +6,8 @@
 
 #[path = "support/redis.rs"]
 mod redis_server;
+#[path = "../../tests/support/s3_server.rs"]
+mod s3_server;
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_hw::bench::TEMP_TIER_PREFIX;
 use redis_server::RedisServer;
+use s3_server::S3Server;
 
 const SIGINT: i32 = 2;
 const SIGTERM: i32 = 15;
@@ -512,7 +515,17 @@ const BLOCK: u64 = 16 << 10;
 
 /// A configuration: a small primary, a file tier (at `tier`, or temporary), the shared Redis
 /// tier at `redis`.
-fn config(dir: &Path, tier: Option<&Path>, redis: Option<&str>) -> String {
+/// A shared tier on the Redis server at `url`, as a configuration's lines.
+fn redis_tier(url: &str) -> String {
+    format!(
+        "[[secondary_tiers]]\ntype = \"redis\"\nurls = [\"{url}\"]\nnamespace = \"nodes-test\"\ncapacity_bytes = {}\n",
+        4096 * BLOCK
+    )
+}
+
+/// A configuration of a 512-block primary and a file tier (at `tier`, else temporary), then
+/// the `shared` tier's lines if any.
+fn config(dir: &Path, tier: Option<&Path>, shared: Option<String>) -> String {
     let mut text = format!(
         "cpu_bytes_to_use = {}\nblock_size = 32\nbytes_per_token = 512\n\
          [[secondary_tiers]]\ntype = \"file\"\ncapacity_bytes = {}\n",
@@ -522,11 +535,8 @@ fn config(dir: &Path, tier: Option<&Path>, redis: Option<&str>) -> String {
     if let Some(path) = tier {
         text += &format!("path = {:?}\n", path.to_str().unwrap());
     }
-    if let Some(url) = redis {
-        text += &format!(
-            "[[secondary_tiers]]\ntype = \"redis\"\nurls = [\"{url}\"]\nnamespace = \"nodes-test\"\ncapacity_bytes = {}\n",
-            4096 * BLOCK
-        );
+    if let Some(shared) = shared {
+        text += &shared;
     }
     let path = dir.join("config.toml");
     std::fs::write(&path, text).unwrap();
@@ -575,12 +585,13 @@ fn trace(dir: &Path, documents: u64) -> (String, usize) {
     (path.to_str().unwrap().to_owned(), lines.len())
 }
 
-#[test]
-fn two_nodes_find_each_others_blocks_in_the_shared_tier() {
-    let server = RedisServer::start(&[]);
+/// `kvtier bench --nodes 2` over a file tier per node and the `shared` tier (a configuration's
+/// lines): nothing wrong is served, a node promotes blocks the other stored, and each node's
+/// report is whole. `env` goes to the nodes' environment.
+fn two_nodes_share(shared: String, env: &[(&str, &str)]) {
     let dir = tempfile::tempdir().unwrap();
     let tier = dir.path().join("tier");
-    let config = config(dir.path(), Some(&tier), Some(&server.url()));
+    let config = config(dir.path(), Some(&tier), Some(shared));
     let (trace, requests) = trace(dir.path(), 40);
     let out = kvtier(
         dir.path(),
@@ -588,6 +599,7 @@ fn two_nodes_find_each_others_blocks_in_the_shared_tier() {
             "--config", &config, "--trace", &trace, "--nodes", "2", "--json",
         ],
     )
+    .envs(env.iter().copied())
     .output()
     .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -622,10 +634,37 @@ fn two_nodes_find_each_others_blocks_in_the_shared_tier() {
         let data = tier.join(node).join(kvtier_hw::DATA_FILE);
         assert!(data.exists(), "each node has its own file tier: {data:?}");
     }
+}
+
+#[test]
+fn two_nodes_find_each_others_blocks_in_the_shared_tier() {
+    let server = RedisServer::start(&[]);
+    two_nodes_share(redis_tier(&server.url()), &[]);
     let names: u64 = redis::cmd("DBSIZE").query(&mut server.connect()).unwrap();
     assert!(
         names > 0,
         "the nodes stored their blocks in the shared tier"
+    );
+}
+
+/// The same over an S3 tier on a real SeaweedFS server, its credentials from the environment
+/// variables the configuration names.
+#[test]
+fn two_nodes_find_each_others_blocks_in_an_s3_tier() {
+    let server = S3Server::start(false);
+    server.create_bucket("nodes-test");
+    two_nodes_share(
+        format!(
+            "[[secondary_tiers]]\ntype = \"s3\"\nendpoint = \"{}\"\nbucket = \"nodes-test\"\n\
+         access_key_id_env = \"KVTIER_TEST_S3_KEY\"\nsecret_access_key_env = \"KVTIER_TEST_S3_SECRET\"\n\
+         capacity_bytes = {}\n",
+            server.endpoint(),
+            4096 * BLOCK
+        ),
+        &[
+            ("KVTIER_TEST_S3_KEY", s3_server::ACCESS_KEY),
+            ("KVTIER_TEST_S3_SECRET", s3_server::SECRET_KEY),
+        ],
     );
 }
 
@@ -649,7 +688,7 @@ fn several_nodes_without_a_shared_tier_is_a_clear_error() {
 fn an_interrupt_stops_every_node_and_leaves_nothing() {
     let server = RedisServer::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let config = config(dir.path(), None, Some(&server.url()));
+    let config = config(dir.path(), None, Some(redis_tier(&server.url())));
     let mut child = kvtier(
         dir.path(),
         &["--config", &config, "--nodes", "2", "--requests", "200000"],

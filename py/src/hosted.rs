@@ -1,23 +1,20 @@
-//! `HostedTier`: one kvtier store (file or Redis) as a secondary tier of vLLM 0.33's own
+//! `HostedTier`: one kvtier store (file, Redis or S3) as a secondary tier of vLLM 0.33's own
 //! `TieringOffloadingManager`, over that manager's primary memory. `kvtier/vllm_tiers.py`
 //! adapts vLLM's `SecondaryTierManager` calls onto it.
 
-use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use kvtier_core::{
-    EventKind, Health, HealthConfig, HostedConfig, HostedLookup, Key, SlotId, TierConfig, TierKind,
+    EventKind, Health, HealthConfig, HostedConfig, HostedLookup, Key, SlotId, TierConfig,
 };
-use kvtier_hw::{
-    FileOptions, FileStore, HostRows, HostedDriver, RedisStore, SecondaryStore, StoreError,
-};
+use kvtier_hw::{HostRows, HostedDriver};
 
 use crate::errors;
-use crate::manager::{StoreSettings, key_of, keys_into, tier_settings};
+use crate::manager::{key_of, keys_into, tier_settings};
 
 /// One kvtier store under a host's tiering manager. Every call returns at once except
 /// `drain` and `shutdown`; a call after `shutdown` raises `StateError`.
@@ -107,37 +104,7 @@ impl HostedTier {
         // touches no slot while a job that names it runs (vLLM pins and allocates them).
         let rows =
             unsafe { HostRows::new(address as *mut u8, length, row_bytes) }.map_err(errors::hw)?;
-        let (store, kind): (Arc<dyn SecondaryStore>, TierKind) = match &settings.store {
-            StoreSettings::File { path, fsync } => {
-                FileStore::capacity_for(row_bytes, settings.capacity_bytes)
-                    .map_err(|e| errors::config("secondary_tiers[0].capacity_bytes", e))?;
-                std::fs::create_dir_all(path)
-                    .map_err(|e| errors::TierError::new_err(format!("{}: {e}", path.display())))?;
-                let options = FileOptions {
-                    identity: identity.clone(),
-                    fsync: *fsync,
-                    ..FileOptions::default()
-                };
-                let path: &Path = path;
-                let store = py
-                    .detach(|| {
-                        FileStore::open_with(path, row_bytes, settings.capacity_bytes, options)
-                    })
-                    .map_err(errors::store)?;
-                (Arc::new(store), TierKind::Authoritative)
-            }
-            StoreSettings::Redis(o) => {
-                let mut o = o.clone();
-                o.identity = identity.clone();
-                let store = py
-                    .detach(|| RedisStore::open(&o, row_bytes, settings.capacity_bytes))
-                    .map_err(|e| match e {
-                        StoreError::BadInput(why) => errors::config("secondary_tiers[0]", why),
-                        e => errors::store(e),
-                    })?;
-                (Arc::new(store), TierKind::Shared)
-            }
-        };
+        let (store, kind) = py.detach(|| settings.open(0, &identity, row_bytes))?;
         let capacity_blocks = store.capacity_blocks();
         let mut tier = TierConfig::new(kind, capacity_blocks);
         tier.policy = settings.policy;
@@ -155,10 +122,7 @@ impl HostedTier {
             driver: Mutex::new(Some(driver)),
             row_bytes,
             capacity_blocks,
-            kind: match kind {
-                TierKind::Authoritative => "file",
-                TierKind::Shared => "redis",
-            },
+            kind: settings.kind(),
         })
     }
 
@@ -168,7 +132,7 @@ impl HostedTier {
         self.capacity_blocks
     }
 
-    /// "file" or "redis".
+    /// "file", "redis" or "s3".
     #[getter]
     fn kind(&self) -> &'static str {
         self.kind

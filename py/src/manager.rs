@@ -19,10 +19,10 @@ use kvtier_core::{
     BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind, RequestId,
     ReuseFilter, TierConfig, TierKind,
 };
-use kvtier_hw::bench::FileTier;
+use kvtier_hw::bench::{FileTier, STORE_KINDS, SharedStore, check_store_keys};
 use kvtier_hw::{
-    Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, RedisOptions, RedisStore,
-    Region, SecondaryStore, StoreError,
+    Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, Region, SecondaryStore,
+    StoreError,
 };
 
 use crate::errors;
@@ -141,8 +141,56 @@ pub(crate) struct TierSettings {
 pub(crate) enum StoreSettings {
     /// A local, persistent file tier.
     File { path: PathBuf, fsync: FsyncPolicy },
-    /// A tier shared by many nodes on Redis or Redis Cluster; the identity is the manager's.
-    Redis(RedisOptions),
+    /// A tier shared by many nodes (Redis, S3); the identity is the manager's.
+    Shared(SharedStore),
+}
+
+impl TierSettings {
+    /// The kind of its store, as the configuration's `type` names it.
+    pub(crate) fn kind(&self) -> &'static str {
+        match &self.store {
+            StoreSettings::File { .. } => "file",
+            StoreSettings::Shared(s) => s.kind(),
+        }
+    }
+
+    /// Opens tier `i`'s store for rows of `row` bytes, its blocks named by `identity`; the
+    /// tier's kind for the core. Blocking: call it with the GIL released.
+    pub(crate) fn open(
+        &self,
+        i: usize,
+        identity: &str,
+        row: usize,
+    ) -> PyResult<(Arc<dyn SecondaryStore>, TierKind)> {
+        match &self.store {
+            StoreSettings::File { path, fsync } => {
+                FileStore::capacity_for(row, self.capacity_bytes).map_err(|e| {
+                    errors::config(&format!("secondary_tiers[{i}].capacity_bytes"), e)
+                })?;
+                std::fs::create_dir_all(path)
+                    .map_err(|e| errors::TierError::new_err(format!("{}: {e}", path.display())))?;
+                let options = FileOptions {
+                    identity: identity.into(),
+                    fsync: *fsync,
+                    ..FileOptions::default()
+                };
+                let store = FileStore::open_with(path, row, self.capacity_bytes, options)
+                    .map_err(errors::store)?;
+                Ok((Arc::new(store), TierKind::Authoritative))
+            }
+            StoreSettings::Shared(s) => {
+                let store = s
+                    .open(identity, row, self.capacity_bytes)
+                    .map_err(|e| match e {
+                        StoreError::BadInput(why) => {
+                            errors::config(&format!("secondary_tiers[{i}]"), why)
+                        }
+                        e => errors::store(e),
+                    })?;
+                Ok((Arc::new(store), TierKind::Shared))
+            }
+        }
+    }
 }
 
 struct Inner {
@@ -285,20 +333,6 @@ fn parse_fsync(key: &str, name: &str) -> PyResult<FsyncPolicy> {
     name.parse().map_err(|e: String| errors::config(key, e))
 }
 
-/// The keys each tier type takes, beside `type`, `capacity_bytes` and `eviction_policy`.
-const FILE_KEYS: [&str; 2] = ["path", "fsync"];
-const REDIS_KEYS: [&str; 9] = [
-    "urls",
-    "cluster",
-    "namespace",
-    "timeout_ms",
-    "ttl_s",
-    "username_env",
-    "password_env",
-    "tls",
-    "tls_ca_file",
-];
-
 pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
     let name = |k: &str| format!("secondary_tiers[{i}].{k}");
     let get = |k: &str| d.get_item(k);
@@ -314,31 +348,23 @@ pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSet
         })
         .transpose()
     }
+    let kinds: Vec<String> = STORE_KINDS.iter().map(|(k, _)| format!("{k:?}")).collect();
     let kind: String = value(get("type")?, &name("type"), "a string")?
-        .ok_or_else(|| errors::config(&name("type"), "missing (\"file\" or \"redis\")"))?;
-    let own_keys: &[&str] = match kind.as_str() {
-        "file" => &FILE_KEYS,
-        "redis" => &REDIS_KEYS,
-        _ => {
-            return Err(errors::config(
-                &name("type"),
-                format!("unknown tier type {kind:?} (kvtier has \"file\" and \"redis\")"),
-            ));
-        }
-    };
-    for k in d.keys() {
-        let k: String = k.extract()?;
-        if !["type", "capacity_bytes", "eviction_policy"].contains(&k.as_str())
-            && !own_keys.contains(&k.as_str())
-        {
-            let why = if FILE_KEYS.contains(&k.as_str()) || REDIS_KEYS.contains(&k.as_str()) {
-                format!("not a setting of a {kind} tier")
-            } else {
-                "unknown setting".to_owned()
-            };
-            return Err(errors::config(&name(&k), why));
-        }
-    }
+        .ok_or_else(|| errors::config(&name("type"), format!("missing ({})", kinds.join(", "))))?;
+    // One table of store kinds and their keys, the bench's configuration file's.
+    let keys: Vec<String> = d
+        .keys()
+        .iter()
+        .map(|k| k.extract())
+        .collect::<PyResult<_>>()?;
+    check_store_keys(
+        &kind,
+        keys.iter()
+            .map(String::as_str)
+            .filter(|k| !["type", "capacity_bytes", "eviction_policy"].contains(k)),
+        &name,
+    )
+    .map_err(errors::config_error)?;
     let capacity_bytes: u64 = value(
         get("capacity_bytes")?,
         &name("capacity_bytes"),
@@ -390,11 +416,47 @@ pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSet
             )?,
             tls: value(get("tls")?, &name("tls"), "true or false")?,
             tls_ca_file: value(get("tls_ca_file")?, &name("tls_ca_file"), "a path")?,
+            endpoint: value(get("endpoint")?, &name("endpoint"), "a URL")?,
+            bucket: value(get("bucket")?, &name("bucket"), "a string")?,
+            prefix: value(get("prefix")?, &name("prefix"), "a string")?,
+            region: value(get("region")?, &name("region"), "a string")?,
+            access_key_id_env: value(
+                get("access_key_id_env")?,
+                &name("access_key_id_env"),
+                "a variable name",
+            )?,
+            secret_access_key_env: value(
+                get("secret_access_key_env")?,
+                &name("secret_access_key_env"),
+                "a variable name",
+            )?,
+            session_token_env: value(
+                get("session_token_env")?,
+                &name("session_token_env"),
+                "a variable name",
+            )?,
+            virtual_hosted: value(
+                get("virtual_hosted")?,
+                &name("virtual_hosted"),
+                "true or false",
+            )?,
+            retries: value(get("retries")?, &name("retries"), "a number")?,
+            conditional_put: value(
+                get("conditional_put")?,
+                &name("conditional_put"),
+                "true or false",
+            )?,
         };
-        let o = keys
-            .redis_options(&name, &|v| std::env::var(v).ok())
-            .map_err(errors::config_error)?;
-        StoreSettings::Redis(o)
+        let env = |v: &str| std::env::var(v).ok();
+        let shared = if kind == "s3" {
+            SharedStore::S3(keys.s3_options(&name, &env).map_err(errors::config_error)?)
+        } else {
+            SharedStore::Redis(
+                keys.redis_options(&name, &env)
+                    .map_err(errors::config_error)?,
+            )
+        };
+        StoreSettings::Shared(shared)
     };
     Ok(TierSettings {
         capacity_bytes,
@@ -537,36 +599,7 @@ impl Manager {
         let build = move || -> PyResult<Driver> {
             let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
             for (i, t) in settings.iter().enumerate() {
-                let (store, kind): (Arc<dyn SecondaryStore>, TierKind) = match &t.store {
-                    StoreSettings::File { path, fsync } => {
-                        FileStore::capacity_for(row, t.capacity_bytes).map_err(|e| {
-                            errors::config(&format!("secondary_tiers[{i}].capacity_bytes"), e)
-                        })?;
-                        std::fs::create_dir_all(path).map_err(|e| {
-                            errors::TierError::new_err(format!("{}: {e}", path.display()))
-                        })?;
-                        let options = FileOptions {
-                            identity: identity.clone(),
-                            fsync: *fsync,
-                            ..FileOptions::default()
-                        };
-                        let store = FileStore::open_with(path, row, t.capacity_bytes, options)
-                            .map_err(errors::store)?;
-                        (Arc::new(store), TierKind::Authoritative)
-                    }
-                    StoreSettings::Redis(o) => {
-                        let mut o = o.clone();
-                        o.identity = identity.clone();
-                        let store =
-                            RedisStore::open(&o, row, t.capacity_bytes).map_err(|e| match e {
-                                StoreError::BadInput(why) => {
-                                    errors::config(&format!("secondary_tiers[{i}]"), why)
-                                }
-                                e => errors::store(e),
-                            })?;
-                        (Arc::new(store), TierKind::Shared)
-                    }
-                };
+                let (store, kind) = t.open(i, &identity, row)?;
                 let mut tc = TierConfig::new(kind, store.capacity_blocks());
                 tc.policy = t.policy;
                 config.tiers.push(tc);

@@ -271,27 +271,41 @@ def test_a_corrupt_tier_block_is_not_served_and_the_warning_reaches_python(
         node.close()
 
 
+def two_nodes(region_dir, tier, seed):
+    """Two nodes over the same shared ``tier``, each with a primary and caches of its own."""
+    caches_a = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(seed))
+    caches_b = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(seed + 1))
+    a = Node(region_dir, None, caches_a, tier=tier, region="a")
+    b = Node(region_dir, None, caches_b, tier=tier, region="b")
+    a.caches, b.caches = caches_a, caches_b
+    return a, b
+
+
+def promoted_by_the_other(a, b, name):
+    """Node A stores four blocks, which cascade to the shared tier; node B finds the third by
+    an existence probe, promotes it and loads A's bytes. The keys, in order."""
+    keys = [f"{name}-{i}".encode() for i in range(4)]
+    a.store(keys, [0, 1, 2, 3])
+    a.settle()
+    assert a.manager.stats()["tiers"][0]["blocks"] == 4
+    ctx = b.request()
+    result, seen = b.lookup_until_settled(keys[2], ctx)
+    assert result is kv.LookupResult.HIT and kv.LookupResult.HIT_PENDING in seen
+    b.caches.tensors[0].tensor[9] = 0
+    assert b.load([keys[2]], [9], ctx)
+    assert np.array_equal(copied(b.caches, 0, 9)[0], copied(a.caches, 0, 2)[0])
+    b.manager.on_request_finished(ctx)
+    return keys
+
+
 def test_two_nodes_share_a_redis_tier(region_dir, tmp_path, redis_url):
     """Node A's blocks cascade to a shared Redis tier; node B, with a primary of its own,
     finds one by an existence probe, promotes it and serves the same bytes. A block the
     server no longer holds (flushed) is a Miss, and the tier stays up."""
     tier = {"type": "redis", "urls": [redis_url], "namespace": "pytest", "timeout_ms": 2000}
-    caches_a = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(5))
-    caches_b = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(6))
-    a = Node(region_dir, None, caches_a, tier=tier, region="a")
-    b = Node(region_dir, None, caches_b, tier=tier, region="b")
+    a, b = two_nodes(region_dir, tier, 5)
     try:
-        keys = [f"shared-{i}".encode() for i in range(4)]
-        a.store(keys, [0, 1, 2, 3])
-        a.settle()
-        assert a.manager.stats()["tiers"][0]["blocks"] == 4
-        ctx = b.request()
-        result, seen = b.lookup_until_settled(keys[2], ctx)
-        assert result is kv.LookupResult.HIT and kv.LookupResult.HIT_PENDING in seen
-        caches_b.tensors[0].tensor[9] = 0
-        assert b.load([keys[2]], [9], ctx)
-        assert np.array_equal(copied(caches_b, 0, 9)[0], copied(caches_a, 0, 2)[0])
-        b.manager.on_request_finished(ctx)
+        keys = promoted_by_the_other(a, b, "shared")
         # B's probe finds block 3 and B's index holds it; then the server lets it go (a
         # flush here; its own eviction or an expiry alike). The promotion finds it missing:
         # a Miss, nothing served, and no failure: the tier stays up.
@@ -316,6 +330,47 @@ def test_two_nodes_share_a_redis_tier(region_dir, tmp_path, redis_url):
     finally:
         a.close()
         b.close()
+
+
+def test_two_nodes_share_an_s3_tier(region_dir, s3_server, monkeypatch):
+    """Node A's blocks cascade to a shared S3 tier (a real SeaweedFS server, signed requests
+    with credentials from the environment variables the settings name); node B, with a
+    primary of its own, finds one by an existence probe, promotes it and serves the same
+    bytes. A block no node stored is a Miss."""
+    endpoint, bucket, access, secret = s3_server
+    monkeypatch.setenv("KVTIER_PY_S3_KEY", access)
+    monkeypatch.setenv("KVTIER_PY_S3_SECRET", secret)
+    tier = {"type": "s3", "endpoint": endpoint, "bucket": bucket, "prefix": "pytest",
+            "access_key_id_env": "KVTIER_PY_S3_KEY", "secret_access_key_env": "KVTIER_PY_S3_SECRET",
+            "timeout_ms": 5000}
+    a, b = two_nodes(region_dir, tier, 15)
+    try:
+        promoted_by_the_other(a, b, "s3-shared")
+        ctx = b.request()
+        result, _ = b.lookup_until_settled(b"never-stored", ctx)
+        assert result is kv.LookupResult.MISS
+        b.manager.on_request_finished(ctx)
+        stats = b.manager.stats()["tiers"][0]
+        assert (stats["read_failures"], stats["health"]) == (0, "Up"), stats
+    finally:
+        a.close()
+        b.close()
+
+
+def test_s3_credentials_come_from_the_environment(region_dir, s3_server, monkeypatch):
+    """A variable the settings name that is not set is a configuration error naming the key
+    and the variable; a wrong secret is refused when the tier opens."""
+    endpoint, bucket, access, _ = s3_server
+    monkeypatch.delenv("KVTIER_PY_S3_UNSET", raising=False)
+    tier = {"type": "s3", "endpoint": endpoint, "bucket": bucket,
+            "access_key_id_env": "KVTIER_PY_S3_KEY", "secret_access_key_env": "KVTIER_PY_S3_UNSET"}
+    monkeypatch.setenv("KVTIER_PY_S3_KEY", access)
+    caches = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(17))
+    with pytest.raises(Exception, match="secret_access_key_env.*KVTIER_PY_S3_UNSET"):
+        Node(region_dir, None, caches, tier=tier, region="c")
+    monkeypatch.setenv("KVTIER_PY_S3_UNSET", "not the secret")
+    with pytest.raises(Exception, match="refused the credentials"):
+        Node(region_dir, None, caches, tier=tier, region="d")
 
 
 def test_a_stopped_redis_holds_a_request_only_until_the_deadline(region_dir, redis_server):

@@ -23,6 +23,7 @@ from test_spec import offloading_config
 ROW = 4096
 FILE_TIER = {"type": "KvtierFileTier", "module_path": "kvtier.vllm_tiers"}
 REDIS_TIER = {"type": "KvtierRedisTier", "module_path": "kvtier.vllm_tiers"}
+S3_TIER = {"type": "KvtierS3Tier", "module_path": "kvtier.vllm_tiers"}
 
 
 class _Region:
@@ -356,14 +357,13 @@ def test_reset_cache_drains_the_tier_and_hits_come_back(vllm, tmp_path):
         e.shutdown()
 
 
-def test_a_redis_tier_is_shared_by_two_engines(vllm, redis_url):
-    table = {**REDIS_TIER, "urls": [redis_url], "capacity_bytes": tier_bytes(64),
-             "namespace": "vllm-tiers"}
+def shared_by_two_engines(vllm, table):
+    """Engine A stores two blocks through a shared tier of ``table``; engine B never stored
+    them: its lookups probe the store (RETRY), then promote, and it loads A's bytes."""
     a = Engine(vllm, table)
     b = Engine(vllm, table)
     try:
         a.store([key(1), key(2)])
-        # b never stored them: its lookups probe Redis (RETRY), then promote.
         answers, loaded = b.fetch([key(1), key(2), key(3)])
         assert answers == ["HIT", "HIT", "MISS"]
         for k in (key(1), key(2)):
@@ -372,6 +372,24 @@ def test_a_redis_tier_is_shared_by_two_engines(vllm, redis_url):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_redis_tier_is_shared_by_two_engines(vllm, redis_url):
+    table = {**REDIS_TIER, "urls": [redis_url], "capacity_bytes": tier_bytes(64),
+             "namespace": "vllm-tiers"}
+    shared_by_two_engines(vllm, table)
+
+
+def test_an_s3_tier_is_shared_by_two_engines(vllm, s3_server, monkeypatch):
+    """vLLM's factory builds kvtier's S3 tier from its table; two engines share one bucket
+    on a real SeaweedFS server: one stores, the other probes, promotes and loads the bytes."""
+    endpoint, bucket, access, secret = s3_server
+    monkeypatch.setenv("KVTIER_PY_S3_KEY", access)
+    monkeypatch.setenv("KVTIER_PY_S3_SECRET", secret)
+    table = {**S3_TIER, "endpoint": endpoint, "bucket": bucket, "prefix": "vllm-tiers",
+             "access_key_id_env": "KVTIER_PY_S3_KEY", "secret_access_key_env": "KVTIER_PY_S3_SECRET",
+             "capacity_bytes": tier_bytes(64)}
+    shared_by_two_engines(vllm, table)
 
 
 def test_a_redis_tier_that_is_gone_answers_miss_and_goes_down(vllm, redis_server):

@@ -16,7 +16,7 @@ use super::temp::{TempTier, sweep_temporary_tiers};
 use super::workload::Request;
 use crate::{
     Driver, DriverOptions, FileOptions, FileStore, HostEngine, HostMemory, Layout, OpenReport,
-    PathSummary, RedisOptions, RedisStore, Region, SecondaryStore, TransferId, page_align,
+    PathSummary, Region, SecondaryStore, TransferId, page_align,
 };
 
 /// Receives progress (requests finished) while the bench runs, and may stop it.
@@ -72,7 +72,7 @@ pub struct TierReport {
     pub dropped_at_open: u64,
     /// Its eviction policy.
     pub policy: String,
-    /// "file" or "redis".
+    /// "file", "redis" or "s3".
     pub kind: String,
     /// When its writes are made durable (a file tier's setting).
     pub fsync: String,
@@ -306,7 +306,7 @@ pub fn run(
     let mut temp_dirs = Vec::new();
     let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
     // The shared tiers, which remember what this process wrote to them and read from them.
-    let mut shared: Vec<Arc<Tracked<RedisStore>>> = Vec::new();
+    let mut shared: Vec<Arc<Tracked<Box<dyn SecondaryStore>>>> = Vec::new();
     let mut opened = Vec::new();
     let mut config = Config::new(rows);
     config.policy = settings.policy;
@@ -316,12 +316,8 @@ pub fn run(
     // 5000-byte blocks is not one of 6000-byte blocks, though both fill 8 KiB rows.
     let identity = format!("kvtier bench, {bb}-byte blocks");
     for t in &settings.tiers {
-        if let Some(o) = &t.redis {
-            let options = RedisOptions {
-                identity: identity.clone(),
-                ..o.clone()
-            };
-            let store = RedisStore::open(&options, row, t.capacity_bytes)?;
+        if let Some(s) = &t.shared {
+            let store = s.open(&identity, row, t.capacity_bytes)?;
             opened.push(OpenReport::default());
             let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
             tc.policy = t.policy;
@@ -531,12 +527,7 @@ pub fn run(
             recovered: opened[i].recovered as u64,
             dropped_at_open: opened[i].corrupt as u64,
             policy: policy_name(settings.tiers[i].policy).into(),
-            kind: if settings.tiers[i].redis.is_some() {
-                "redis"
-            } else {
-                "file"
-            }
-            .into(),
+            kind: settings.tiers[i].kind().into(),
             fsync: settings.tiers[i].fsync.to_string(),
             direct_io: opened[i].direct_io,
         })
@@ -606,7 +597,7 @@ impl std::fmt::Display for Report {
             pct(self.secondary_hit_ratio),
             pct(self.pending_hit_ratio)
         )?;
-        if self.tiers.iter().any(|t| t.kind == "redis") {
+        if self.tiers.iter().any(|t| t.kind != "file") {
             let hits = self.primary_hits + self.promoted_hits + self.pending_hits;
             writeln!(
                 f,
@@ -637,10 +628,11 @@ impl std::fmt::Display for Report {
             self.primary_blocks, self.primary_policy, self.primary_evictions, self.stores_refused
         )?;
         for (i, t) in self.tiers.iter().enumerate() {
-            if t.kind == "redis" {
+            if t.kind != "file" {
                 writeln!(
                     f,
-                    "tier {i}          redis (shared), {} / {} blocks tracked here, {}, {} cascaded, {} forgotten, {} failures, {}",
+                    "tier {i}          {} (shared), {} / {} blocks tracked here, {}, {} cascaded, {} forgotten, {} failures, {}",
+                    t.kind,
                     t.blocks,
                     t.capacity_blocks,
                     t.policy,

@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 
 use kvtier_core::PolicyKind;
 
-use crate::{FsyncPolicy, RedisOptions};
+use crate::{
+    FsyncPolicy, RedisOptions, RedisStore, S3Options, S3Store, SecondaryStore, StoreError,
+};
 use serde::Deserialize;
 
 use super::BenchError;
@@ -23,9 +25,122 @@ pub struct TierSettings {
     /// When its writes are made durable (the file tier's default unless the tier names one).
     /// File tiers only.
     pub fsync: FsyncPolicy,
-    /// `Some` for a shared tier on Redis: where it is and how to reach it (its `identity`
-    /// is set by the run, from the block size).
-    pub redis: Option<RedisOptions>,
+    /// `Some` for a tier shared by many nodes (Redis, S3): where it is and how to reach it
+    /// (its identity is set by the run, from the block size).
+    pub shared: Option<SharedStore>,
+}
+
+/// A store shared by many nodes, and how to reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SharedStore {
+    /// Redis or Redis Cluster.
+    Redis(RedisOptions),
+    /// S3 object storage (AWS, or an S3-compatible server).
+    S3(S3Options),
+}
+
+impl SharedStore {
+    /// The store's kind, as a configuration's `type` names it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SharedStore::Redis(_) => "redis",
+            SharedStore::S3(_) => "s3",
+        }
+    }
+
+    /// Opens the store for blocks of `block_bytes` whose deployment is `identity` (what
+    /// makes blocks interchangeable), tracking up to `capacity_bytes` of them on this node.
+    pub fn open(
+        &self,
+        identity: &str,
+        block_bytes: usize,
+        capacity_bytes: u64,
+    ) -> Result<Box<dyn SecondaryStore>, StoreError> {
+        Ok(match self {
+            SharedStore::Redis(o) => Box::new(RedisStore::open(
+                &RedisOptions {
+                    identity: identity.into(),
+                    ..o.clone()
+                },
+                block_bytes,
+                capacity_bytes,
+            )?),
+            SharedStore::S3(o) => Box::new(S3Store::open(
+                &S3Options {
+                    identity: identity.into(),
+                    ..o.clone()
+                },
+                block_bytes,
+                capacity_bytes,
+            )?),
+        })
+    }
+}
+
+/// Every kind of secondary store a configuration's `type` can name, with the keys each takes
+/// beside `type`, `capacity_bytes` and `eviction_policy`: the one table that the bench's
+/// configuration file and the Python package check a tier's keys against.
+pub const STORE_KINDS: &[(&str, &[&str])] = &[
+    ("file", &["path", "fsync"]),
+    (
+        "redis",
+        &[
+            "urls",
+            "cluster",
+            "namespace",
+            "timeout_ms",
+            "ttl_s",
+            "username_env",
+            "password_env",
+            "tls",
+            "tls_ca_file",
+        ],
+    ),
+    (
+        "s3",
+        &[
+            "endpoint",
+            "bucket",
+            "prefix",
+            "region",
+            "access_key_id_env",
+            "secret_access_key_env",
+            "session_token_env",
+            "virtual_hosted",
+            "timeout_ms",
+            "retries",
+            "conditional_put",
+        ],
+    ),
+];
+
+/// Checks a tier's `type` and the keys it sets (beside `type`, `capacity_bytes` and
+/// `eviction_policy`) against [`STORE_KINDS`]: an unknown type, and a key of another kind of
+/// store or of none, are errors; `field` names a key in messages.
+pub fn check_store_keys<'a>(
+    kind: &str,
+    set: impl IntoIterator<Item = &'a str>,
+    field: &dyn Fn(&str) -> String,
+) -> Result<(), String> {
+    let Some((_, own)) = STORE_KINDS.iter().find(|(k, _)| *k == kind) else {
+        let kinds: Vec<String> = STORE_KINDS.iter().map(|(k, _)| format!("{k:?}")).collect();
+        return Err(format!(
+            "{}: expected {}, got {kind:?}",
+            field("type"),
+            kinds.join(", ")
+        ));
+    };
+    for key in set {
+        if !own.contains(&key) {
+            let why = if STORE_KINDS.iter().any(|(_, keys)| keys.contains(&key)) {
+                format!("not a setting of a {kind} tier")
+            } else {
+                "unknown setting".to_owned()
+            };
+            return Err(format!("{}: {why}", field(key)));
+        }
+    }
+    Ok(())
 }
 
 impl TierSettings {
@@ -36,16 +151,21 @@ impl TierSettings {
             capacity_bytes,
             policy: PolicyKind::Lru,
             fsync: FsyncPolicy::default(),
-            redis: None,
+            shared: None,
         }
     }
 
-    /// A shared tier on Redis, tracking up to `capacity_bytes` of blocks on this node, LRU.
-    pub fn redis(options: RedisOptions, capacity_bytes: u64) -> Self {
+    /// A shared tier, tracking up to `capacity_bytes` of blocks on this node, LRU.
+    pub fn shared(store: SharedStore, capacity_bytes: u64) -> Self {
         TierSettings {
-            redis: Some(options),
+            shared: Some(store),
             ..TierSettings::new(None, capacity_bytes)
         }
+    }
+
+    /// The kind of its store, as a configuration's `type` names it.
+    pub fn kind(&self) -> &'static str {
+        self.shared.as_ref().map_or("file", SharedStore::kind)
     }
 
     /// Parses `PATH:BYTES` (the `--tier` option); `BYTES` takes units (`64GiB`, `500M`), and
@@ -139,7 +259,8 @@ pub struct FileSettings {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileTier {
-    /// "file" (a local, persistent tier) or "redis" (a tier shared by many nodes).
+    /// "file" (a local, persistent tier), "redis" or "s3" (tiers shared by many nodes): see
+    /// [`STORE_KINDS`].
     #[serde(rename = "type")]
     pub kind: String,
     /// Its capacity in bytes (for a Redis tier: how much of the store this node tracks).
@@ -157,7 +278,8 @@ pub struct FileTier {
     /// Redis tier: the first part of every name (default "kvtier").
     pub namespace: Option<String>,
     /// Redis tier: the bound on each wait for a server (a connect, each write of a call, each read
-    /// of its replies), in milliseconds (default 1000).
+    /// of its replies), in milliseconds (default 1000). S3 tier: the deadline of one call (a
+    /// job's reads or writes, a step's probes), retries included (default 5000).
     pub timeout_ms: Option<u64>,
     /// Redis tier: expiry of the values this node writes, in seconds (default none).
     pub ttl_s: Option<u64>,
@@ -171,6 +293,29 @@ pub struct FileTier {
     /// Redis tier: a PEM file with the CA certificate(s) that sign the servers' certificates
     /// (a private CA); needs TLS.
     pub tls_ca_file: Option<PathBuf>,
+    /// S3 tier: the server's URL (`http://host:port`); absent: AWS S3 in `region`.
+    pub endpoint: Option<String>,
+    /// S3 tier: the bucket (it must exist).
+    pub bucket: Option<String>,
+    /// S3 tier: the first part of every object's name (default "kvtier").
+    pub prefix: Option<String>,
+    /// S3 tier: the region requests are signed for (default "us-east-1").
+    pub region: Option<String>,
+    /// S3 tier: the environment variable holding the access key id.
+    pub access_key_id_env: Option<String>,
+    /// S3 tier: the environment variable holding the secret access key.
+    pub secret_access_key_env: Option<String>,
+    /// S3 tier: the environment variable holding a session token (temporary credentials).
+    pub session_token_env: Option<String>,
+    /// S3 tier: virtual-hosted addressing (`bucket.host`) instead of path-style (default
+    /// false: path-style, what most S3-compatible servers expect).
+    pub virtual_hosted: Option<bool>,
+    /// S3 tier: how many times a request that failed for a reason worth retrying is sent
+    /// again, within the call's deadline (default 2).
+    pub retries: Option<usize>,
+    /// S3 tier: writes carry `If-None-Match: *`, so a block two nodes store is written once
+    /// (default true; false for a server that rejects the header).
+    pub conditional_put: Option<bool>,
 }
 
 impl FileTier {
@@ -249,14 +394,80 @@ impl FileTier {
         Ok(o)
     }
 
-    /// The tier's settings; `lookup` reads the environment (credentials come from the
-    /// variables the file names, never from the file).
-    fn settings(
+    /// An S3 tier's settings from its keys (`endpoint`, `bucket`, `prefix`, `region`,
+    /// `access_key_id_env`, `secret_access_key_env`, `session_token_env`, `virtual_hosted`,
+    /// `timeout_ms`, `retries`, `conditional_put`): every check of the configuration file, for
+    /// any caller that takes the same keys (the Python package does). `field` names a key in
+    /// messages; `lookup` reads the environment. The identity is left empty: it is the
+    /// caller's (model, layout) to set.
+    pub fn s3_options(
         &self,
         field: &dyn Fn(&str) -> String,
         lookup: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<TierSettings, String> {
-        let redis_keys = [
+    ) -> Result<S3Options, String> {
+        let mut o = S3Options::default();
+        match &self.bucket {
+            Some(b) if !b.is_empty() => o.bucket = b.clone(),
+            _ => return Err(format!("{}: an S3 tier needs its bucket", field("bucket"))),
+        }
+        if let Some(e) = &self.endpoint {
+            if !(e.starts_with("http://") || e.starts_with("https://")) {
+                return Err(format!(
+                    "{}: expected a URL starting with http:// or https://, got {e:?}",
+                    field("endpoint")
+                ));
+            }
+            o.endpoint = Some(e.clone());
+        }
+        if let Some(p) = &self.prefix {
+            if p.is_empty() || p.starts_with('/') || p.ends_with('/') || p.contains("//") {
+                return Err(format!(
+                    "{}: expected names separated by single '/', got {p:?}",
+                    field("prefix")
+                ));
+            }
+            o.prefix = p.clone();
+        }
+        if let Some(r) = &self.region {
+            if r.is_empty() {
+                return Err(format!("{}: must not be empty", field("region")));
+            }
+            o.region = r.clone();
+        }
+        if let Some(ms) = self.timeout_ms {
+            if ms == 0 {
+                return Err(format!("{}: must be at least 1", field("timeout_ms")));
+            }
+            o.timeout = std::time::Duration::from_millis(ms);
+        }
+        o.virtual_hosted = self.virtual_hosted.unwrap_or(false);
+        o.retries = self.retries.unwrap_or(o.retries);
+        o.conditional_put = self.conditional_put.unwrap_or(true);
+        // A variable that is not set is reported under the key that names it.
+        let keys = [
+            ("access_key_id_env", &self.access_key_id_env),
+            ("secret_access_key_env", &self.secret_access_key_env),
+            ("session_token_env", &self.session_token_env),
+        ];
+        let key = keys
+            .iter()
+            .find(|(_, var)| var.as_deref().is_some_and(|v| lookup(v).is_none()))
+            .map_or("access_key_id_env", |(k, _)| k);
+        o.credentials_from(
+            self.access_key_id_env.as_deref(),
+            self.secret_access_key_env.as_deref(),
+            self.session_token_env.as_deref(),
+            lookup,
+        )
+        .map_err(|e| format!("{}: {e}", field(key)))?;
+        Ok(o)
+    }
+
+    /// The keys this tier sets beside `type`, `capacity_bytes` and `eviction_policy`.
+    fn keys_set(&self) -> Vec<&'static str> {
+        let set = [
+            ("path", self.path.is_some()),
+            ("fsync", self.fsync.is_some()),
             ("urls", self.urls.is_some()),
             ("cluster", self.cluster.is_some()),
             ("namespace", self.namespace.is_some()),
@@ -266,19 +477,41 @@ impl FileTier {
             ("password_env", self.password_env.is_some()),
             ("tls", self.tls.is_some()),
             ("tls_ca_file", self.tls_ca_file.is_some()),
+            ("endpoint", self.endpoint.is_some()),
+            ("bucket", self.bucket.is_some()),
+            ("prefix", self.prefix.is_some()),
+            ("region", self.region.is_some()),
+            ("access_key_id_env", self.access_key_id_env.is_some()),
+            (
+                "secret_access_key_env",
+                self.secret_access_key_env.is_some(),
+            ),
+            ("session_token_env", self.session_token_env.is_some()),
+            ("virtual_hosted", self.virtual_hosted.is_some()),
+            ("retries", self.retries.is_some()),
+            ("conditional_put", self.conditional_put.is_some()),
         ];
-        let file_keys = [
-            ("path", self.path.is_some()),
-            ("fsync", self.fsync.is_some()),
-        ];
-        let refuse = |keys: &[(&str, bool)], kind: &str| {
-            keys.iter().find(|(_, set)| *set).map_or(Ok(()), |(k, _)| {
-                Err(format!("{}: not a setting of a {kind} tier", field(k)))
-            })
-        };
+        set.iter().filter(|(_, s)| *s).map(|(k, _)| *k).collect()
+    }
+
+    /// The tier's settings; `lookup` reads the environment (credentials come from the
+    /// variables the file names, never from the file).
+    fn settings(
+        &self,
+        field: &dyn Fn(&str) -> String,
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<TierSettings, String> {
+        check_store_keys(&self.kind, self.keys_set(), field)?;
         let mut tier = match self.kind.as_str() {
-            "file" => {
-                refuse(&redis_keys, "file")?;
+            "redis" => TierSettings::shared(
+                SharedStore::Redis(self.redis_options(field, lookup)?),
+                self.capacity_bytes,
+            ),
+            "s3" => TierSettings::shared(
+                SharedStore::S3(self.s3_options(field, lookup)?),
+                self.capacity_bytes,
+            ),
+            _ => {
                 let mut tier = TierSettings::new(self.path.clone(), self.capacity_bytes);
                 if let Some(f) = &self.fsync {
                     tier.fsync = f
@@ -287,16 +520,6 @@ impl FileTier {
                         .map_err(|e| format!("{}: {e}", field("fsync")))?;
                 }
                 tier
-            }
-            "redis" => {
-                refuse(&file_keys, "redis")?;
-                TierSettings::redis(self.redis_options(field, lookup)?, self.capacity_bytes)
-            }
-            other => {
-                return Err(format!(
-                    "{}: expected \"file\" or \"redis\", got {other:?}",
-                    field("type")
-                ));
             }
         };
         if let Some(p) = &self.eviction_policy {
@@ -426,7 +649,7 @@ impl BenchSettings {
             return bad("batch: must be 1 to 256".into());
         }
         for (i, t) in self.tiers.iter().enumerate() {
-            if t.redis.is_some() {
+            if t.shared.is_some() {
                 if t.capacity_bytes < row as u64 {
                     return bad(format!(
                         "secondary_tiers[{i}].capacity_bytes: {} holds no block of {}",
@@ -495,7 +718,7 @@ impl BenchSettings {
                 super::MAX_NODES
             ));
         }
-        if nodes > 1 && !self.tiers.iter().any(|t| t.redis.is_some()) {
+        if nodes > 1 && !self.tiers.iter().any(|t| t.shared.is_some()) {
             return bad(format!(
                 "nodes (--nodes {nodes}): the nodes share blocks through a shared tier, and secondary_tiers has none; add one to the configuration, for example [[secondary_tiers]] type = \"redis\", urls = [\"redis://127.0.0.1:6379\"], capacity_bytes = 4294967296"
             ));
@@ -519,7 +742,7 @@ impl BenchSettings {
         let mut s = self.clone();
         if nodes > 1 {
             for t in &mut s.tiers {
-                if let (None, Some(p)) = (&t.redis, &mut t.path) {
+                if let (None, Some(p)) = (&t.shared, &mut t.path) {
                     *p = p.join(format!("node-{node}"));
                 }
             }
@@ -565,7 +788,24 @@ secondary_tiers = [{ type = "file", capacity_bytes = 1073741824 }]
             .unwrap_err();
         assert!(err.to_string().contains("eviction_policy"), "{err}");
         for (tier, field) in [
-            ("type = \"s3\"", "secondary_tiers[0].type"),
+            ("type = \"tape\"", "secondary_tiers[0].type"),
+            ("type = \"s3\"", "secondary_tiers[0].bucket"),
+            (
+                "type = \"s3\"\nbucket = \"b\"\nurls = [\"redis://h\"]",
+                "secondary_tiers[0].urls",
+            ),
+            (
+                "type = \"redis\"\nurls = [\"redis://h\"]\nbucket = \"b\"",
+                "secondary_tiers[0].bucket",
+            ),
+            (
+                "type = \"s3\"\nbucket = \"b\"\nendpoint = \"127.0.0.1:9000\"",
+                "secondary_tiers[0].endpoint",
+            ),
+            (
+                "type = \"s3\"\nbucket = \"b\"\nprefix = \"/a\"",
+                "secondary_tiers[0].prefix",
+            ),
             ("type = \"redis\"", "secondary_tiers[0].urls"),
             (
                 "type = \"redis\"\nurls = [\"redis://h\"]\npath = \"/x\"",
@@ -590,6 +830,61 @@ secondary_tiers = [{ type = "file", capacity_bytes = 1073741824 }]
     }
 
     #[test]
+    fn an_s3_tier_reads_its_keys_and_its_credentials_from_the_environment() {
+        let toml = r#"
+[[secondary_tiers]]
+type = "s3"
+endpoint = "http://127.0.0.1:8333"
+bucket = "kv"
+prefix = "fleet/a"
+region = "eu-west-1"
+capacity_bytes = 1073741824
+timeout_ms = 2500
+retries = 4
+virtual_hosted = true
+conditional_put = false
+access_key_id_env = "KEY_VAR"
+secret_access_key_env = "SECRET_VAR"
+eviction_policy = "arc"
+"#;
+        let f = FileSettings::parse(toml, Path::new("c.toml")).unwrap();
+        let tier = &f.secondary_tiers.as_ref().unwrap()[0];
+        let field = |k: &str| format!("secondary_tiers[0].{k}");
+        let env = |v: &str| match v {
+            "KEY_VAR" => Some("AK".to_owned()),
+            "SECRET_VAR" => Some("SK".to_owned()),
+            _ => None,
+        };
+        let t = tier.settings(&field, &env).unwrap();
+        assert_eq!(t.kind(), "s3");
+        assert_eq!(t.policy, PolicyKind::Arc);
+        let Some(SharedStore::S3(o)) = &t.shared else {
+            panic!("an s3 tier: {t:?}");
+        };
+        assert_eq!(o.endpoint.as_deref(), Some("http://127.0.0.1:8333"));
+        assert_eq!((o.bucket.as_str(), o.prefix.as_str()), ("kv", "fleet/a"));
+        assert_eq!(o.region, "eu-west-1");
+        assert_eq!(o.timeout, std::time::Duration::from_millis(2500));
+        assert_eq!(o.retries, 4);
+        assert!(o.virtual_hosted && !o.conditional_put);
+        assert_eq!(o.access_key_id.as_deref(), Some("AK"));
+        assert_eq!(o.secret_access_key.as_deref(), Some("SK"));
+        // A named variable that is not set is reported under the key that names it.
+        let err = tier.settings(&field, &|_| None).unwrap_err();
+        assert!(
+            err.contains("secondary_tiers[0].access_key_id_env"),
+            "{err}"
+        );
+        assert!(err.contains("KEY_VAR"), "{err}");
+        let only_key = |v: &str| (v == "KEY_VAR").then(|| "AK".to_owned());
+        let err = tier.settings(&field, &only_key).unwrap_err();
+        assert!(
+            err.contains("secondary_tiers[0].secret_access_key_env"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_redis_tier_reads_its_keys_and_its_credentials_from_the_environment() {
         let toml = r#"
 [[secondary_tiers]]
@@ -607,7 +902,9 @@ password_env = "KVTIER_SETTINGS_TEST_PASSWORD"
         let field = |k: &str| format!("secondary_tiers[0].{k}");
         let env = |v: &str| (v == "KVTIER_SETTINGS_TEST_PASSWORD").then(|| "pw".to_owned());
         let t = tier.settings(&field, &env).unwrap();
-        let o = t.redis.as_ref().expect("a redis tier");
+        let Some(SharedStore::Redis(o)) = &t.shared else {
+            panic!("a redis tier: {t:?}");
+        };
         assert_eq!(o.urls.len(), 2);
         assert!(o.cluster);
         assert_eq!(o.namespace, "prod");
@@ -643,7 +940,10 @@ password_env = "KVTIER_SETTINGS_TEST_PASSWORD"
             f.secondary_tiers.unwrap().remove(0)
         };
         let none = |_: &str| None;
-        let redis = |t: &TierSettings| t.redis.clone().expect("a redis tier");
+        let redis = |t: &TierSettings| match &t.shared {
+            Some(SharedStore::Redis(o)) => o.clone(),
+            other => panic!("a redis tier: {other:?}"),
+        };
         let t = tier("", "rediss://h:1").settings(&field, &none).unwrap();
         assert!(redis(&t).tls, "a rediss:// URL means TLS");
         let t = tier("tls = true\ntls_ca_file = \"/etc/ca.pem\"", "redis://h:1")
@@ -722,8 +1022,10 @@ fsync = "write"
         assert!(err.contains("type = \"redis\""), "{err}");
         let err = s.check_nodes(0).unwrap_err().to_string();
         assert!(err.contains("must be 1 to"), "{err}");
-        s.tiers
-            .push(TierSettings::redis(RedisOptions::default(), 1 << 30));
+        s.tiers.push(TierSettings::shared(
+            SharedStore::Redis(RedisOptions::default()),
+            1 << 30,
+        ));
         s.check_nodes(2).unwrap();
         let node = s.for_node(1, 2);
         assert_eq!(

@@ -166,3 +166,43 @@ pub trait SecondaryStore: Send + Sync + 'static {
     /// The keys the store held when it was opened, oldest first (durability, ★6).
     fn recovered(&self) -> Vec<Key>;
 }
+
+/// A boxed store is a store (the bench opens shared stores by their kind, as trait objects).
+impl<S: SecondaryStore + ?Sized> SecondaryStore for Box<S> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn kind(&self) -> TierKind {
+        (**self).kind()
+    }
+    fn capacity_blocks(&self) -> u32 {
+        (**self).capacity_blocks()
+    }
+    fn put(&self, key: &Key, block: &[u8]) -> Result<(), StoreError> {
+        (**self).put(key, block)
+    }
+    fn get(&self, key: &Key, block: &mut [u8]) -> Result<(), StoreError> {
+        (**self).get(key, block)
+    }
+    fn put_many(&self, blocks: &[(&Key, &[u8])]) -> Vec<Result<(), StoreError>> {
+        (**self).put_many(blocks)
+    }
+    fn get_many(&self, blocks: &mut [(&Key, &mut [u8])]) -> Vec<Result<(), StoreError>> {
+        (**self).get_many(blocks)
+    }
+    fn delete(&self, key: &Key) -> Result<(), StoreError> {
+        (**self).delete(key)
+    }
+    fn contains(&self, key: &Key) -> Result<bool, StoreError> {
+        (**self).contains(key)
+    }
+    fn contains_many(&self, keys: &[&Key]) -> Vec<Result<bool, StoreError>> {
+        (**self).contains_many(keys)
+    }
+    fn check(&self) -> Result<(), StoreError> {
+        (**self).check()
+    }
+    fn recovered(&self) -> Vec<Key> {
+        (**self).recovered()
+    }
+}

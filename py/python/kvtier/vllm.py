@@ -379,7 +379,10 @@ class Settings:
     ``"arc"``, or kvtier's ``"reuse"``), ``store_threshold``, ``max_tracker_size``. kvtier's: ``secondary_tiers``
     (a list of ``{"type": "file", "path", "capacity_bytes", "eviction_policy"?, "fsync"?}`` or
     ``{"type": "redis", "urls", "capacity_bytes", "cluster"?, "namespace"?, "timeout_ms"?,
-    "ttl_s"?, "username_env"?, "password_env"?, "tls"?, "tls_ca_file"?, "eviction_policy"?}``),
+    "ttl_s"?, "username_env"?, "password_env"?, "tls"?, "tls_ca_file"?, "eviction_policy"?}``
+    or ``{"type": "s3", "bucket", "capacity_bytes", "endpoint"?, "prefix"?, "region"?,
+    "access_key_id_env"?, "secret_access_key_env"?, "session_token_env"?, "virtual_hosted"?,
+    "timeout_ms"?, "retries"?, "conditional_put"?, "eviction_policy"?}``),
     ``region_dir`` (none: an anonymous region), ``io_threads`` (4), ``shutdown_timeout_s``
     (30), ``attach_timeout_s`` (60), ``copy_cpus`` (``"any"``), ``hit_pending_timeout_s`` (5;
     null: none).

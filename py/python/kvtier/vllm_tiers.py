@@ -1,4 +1,4 @@
-"""kvtier's file and Redis tiers as secondary tiers of vLLM 0.33's own tiering spec.
+"""kvtier's file, Redis and S3 tiers as secondary tiers of vLLM 0.33's own tiering spec.
 
 vLLM's ``TieringOffloadingSpec`` keeps vLLM's CPU tier as the primary and loads an
 out-of-tree secondary tier by class name and module::
@@ -15,8 +15,12 @@ out-of-tree secondary tier by class name and module::
 - ``KvtierRedisTier``: kvtier's Redis or Redis Cluster tier, shared by many nodes. Settings:
   ``urls``, ``capacity_bytes``, ``eviction_policy``, ``cluster``, ``namespace``,
   ``timeout_ms``, ``ttl_s``, ``username_env``, ``password_env``, ``tls``, ``tls_ca_file``.
+- ``KvtierS3Tier``: kvtier's S3 tier (AWS S3 or an S3-compatible server), shared by many
+  nodes. Settings: ``bucket``, ``capacity_bytes``, ``eviction_policy``, ``endpoint``,
+  ``prefix``, ``region``, ``access_key_id_env``, ``secret_access_key_env``,
+  ``session_token_env``, ``virtual_hosted``, ``timeout_ms``, ``retries``, ``conditional_put``.
 
-Both also take:
+All also take:
 
 - ``io_threads`` (default 4);
 - ``hit_pending_timeout_s`` (default 5; null: none): a block answers RETRY while it is written
@@ -109,7 +113,7 @@ def _label(spec: Any, tier_type: str, settings: dict[str, Any]) -> tuple[str]:
 class _KvtierTier(SecondaryTierManager):
     """A kvtier store under vLLM's ``TieringOffloadingManager``."""
 
-    #: The kvtier store type: "file" or "redis".
+    #: The kvtier store type: "file", "redis" or "s3".
     _store: ClassVar[str]
     _default_locality: ClassVar[Locality | None] = None
 
@@ -370,4 +374,16 @@ class KvtierRedisTier(_KvtierTier):
     _store = "redis"
 
 
-__all__ = ["KvtierFileTier", "KvtierRedisTier"]
+class KvtierS3Tier(_KvtierTier):
+    """kvtier's S3 tier under vLLM's tiering spec: one bucket shared by every node that names
+    the same bucket, prefix and model; objects are checked before they are served, and
+    existence is probed without blocking the scheduler (a lookup answers RETRY until the
+    probe returns)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    _default_locality = Locality.REMOTE
+    _store = "s3"
+
+
+__all__ = ["KvtierFileTier", "KvtierRedisTier", "KvtierS3Tier"]
