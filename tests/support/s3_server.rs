@@ -71,6 +71,10 @@ impl Ports {
     }
 }
 
+/// One server of this process starts at a time: between choosing its free ports and binding
+/// them, another test's server must not take them.
+static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A `weed server` with its S3 gateway on 127.0.0.1, killed on drop.
 pub(crate) struct S3Server {
     child: Option<Child>,
@@ -127,6 +131,9 @@ impl S3Server {
     /// Starts the process on `self.ports` and waits until its gateway answers; the log if it
     /// does not.
     fn launch(&mut self) -> Result<(), String> {
+        let _one = STARTING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let p = self.ports.0;
         let log = self.dir.path().join("weed.log");
         let child = Command::new(weed())
@@ -167,7 +174,7 @@ impl S3Server {
                 self.child = None;
                 return Err(format!("exited with {status}:\n{text}"));
             }
-            if self.answers() {
+            if self.answers() && self.logged_its_port() {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -180,6 +187,15 @@ impl S3Server {
     /// Whether the gateway answers an HTTP request.
     fn answers(&self) -> bool {
         self.http("GET", "/", &[]).is_ok()
+    }
+
+    /// Whether this process's log says its gateway listens on our S3 port (an answer alone
+    /// could come from another process that took the port).
+    fn logged_its_port(&self) -> bool {
+        let line = format!("at http port {}", self.ports.s3());
+        ["weed.log", "weed.err"].iter().any(|f| {
+            std::fs::read_to_string(self.dir.path().join(f)).is_ok_and(|log| log.contains(&line))
+        })
     }
 
     /// The filer's port (its HTTP API takes unsigned requests).
@@ -210,6 +226,14 @@ impl S3Server {
                 .unwrap()
                 .write_all(format!("s3.bucket.create -name {name}\n").as_bytes())
                 .unwrap();
+            // `weed shell` waits for the master without a bound of its own.
+            let started = Instant::now();
+            while shell.try_wait().unwrap().is_none() {
+                if started.elapsed() > Duration::from_secs(30) {
+                    let _ = shell.kill();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let out = shell.wait_with_output().unwrap();
             let text = String::from_utf8_lossy(&out.stdout).into_owned()
                 + &String::from_utf8_lossy(&out.stderr);

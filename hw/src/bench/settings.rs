@@ -18,7 +18,7 @@ pub struct TierSettings {
     /// only.
     pub path: Option<PathBuf>,
     /// Its capacity in bytes: a file tier's, record headers included (see
-    /// docs/configuration.md); for a Redis tier, how much of the store this node tracks.
+    /// docs/configuration.md); for a shared tier, how much of the store this node tracks.
     pub capacity_bytes: u64,
     /// Its eviction policy (LRU unless the tier names one).
     pub policy: PolicyKind,
@@ -133,7 +133,12 @@ pub fn check_store_keys<'a>(
     for key in set {
         if !own.contains(&key) {
             let why = if STORE_KINDS.iter().any(|(_, keys)| keys.contains(&key)) {
-                format!("not a setting of a {kind} tier")
+                let article = if kind.starts_with(['a', 'e', 'i', 'o', 'u', 's']) {
+                    "an"
+                } else {
+                    "a"
+                };
+                format!("not a setting of {article} {kind} tier")
             } else {
                 "unknown setting".to_owned()
             };
@@ -263,7 +268,7 @@ pub struct FileTier {
     /// [`STORE_KINDS`].
     #[serde(rename = "type")]
     pub kind: String,
-    /// Its capacity in bytes (for a Redis tier: how much of the store this node tracks).
+    /// Its capacity in bytes (for a shared tier: how much of the store this node tracks).
     pub capacity_bytes: u64,
     /// Its eviction policy: "lru" (the default), "arc" or "reuse" (any case).
     pub eviction_policy: Option<String>,
@@ -449,10 +454,16 @@ impl FileTier {
             ("secret_access_key_env", &self.secret_access_key_env),
             ("session_token_env", &self.session_token_env),
         ];
+        // A key id without a secret (or the reverse) is reported under the one missing.
         let key = keys
             .iter()
             .find(|(_, var)| var.as_deref().is_some_and(|v| lookup(v).is_none()))
-            .map_or("access_key_id_env", |(k, _)| k);
+            .map(|(k, _)| *k)
+            .unwrap_or(if self.access_key_id_env.is_some() {
+                "secret_access_key_env"
+            } else {
+                "access_key_id_env"
+            });
         o.credentials_from(
             self.access_key_id_env.as_deref(),
             self.secret_access_key_env.as_deref(),

@@ -14,13 +14,16 @@
 //!
 //! **Names.** `{prefix}/{identity hash}/{key in hex}` in the bucket, where the identity hash
 //! covers the model, its KV layout and the block size (as for Redis): two deployments that
-//! differ in any of them never read each other's blocks.
+//! differ in any of them never read each other's blocks. A key longer than 256 bytes is named
+//! by its XXH3-128 (S3 names end at 1024 bytes); the object carries the full key either way.
 //!
 //! **Writes** are conditional where the server supports it (`If-None-Match: *`, the default):
 //! when two nodes store one block, the first object stays whole and the second write is
 //! answered "already exists", which is a success (the block is there). A server that ignores
 //! the condition replaces the object whole: an S3 `PUT` is atomic, so a reader sees one
-//! writer's object or the other's, never a mix.
+//! writer's object or the other's, never a mix. A bad object under a block's name (torn by
+//! hand, another tool's) therefore stays until the bucket's lifecycle removes it, a miss on
+//! every node; never served.
 //!
 //! **Time.** The `object_store` crate does the protocol: signing (SigV4), retries with backoff,
 //! connection pooling. Its calls are async; the store keeps a small tokio runtime, and a call
@@ -48,7 +51,7 @@ use object_store::{
 };
 use tokio::time::Instant;
 
-use crate::store::value::{decode, encode};
+use crate::store::value::{HEADER_BYTES, decode, encode};
 use crate::store::{SecondaryStore, StoreError};
 
 /// Requests of one call in flight at a time.
@@ -180,7 +183,8 @@ impl S3Options {
 /// The S3 tier.
 pub struct S3Store {
     client: Arc<AmazonS3>,
-    runtime: tokio::runtime::Runtime,
+    /// Always `Some` but in `drop`, which shuts it down without waiting for its threads.
+    runtime: Option<tokio::runtime::Runtime>,
     /// `{prefix}/{identity hash}`.
     prefix: ObjectPath,
     block_bytes: usize,
@@ -203,24 +207,41 @@ impl std::fmt::Debug for S3Store {
     }
 }
 
-/// Whether an error says the credentials were refused.
+/// Whether an error says the credentials were refused: a 401 or a 403 (the client maps them
+/// to these variants for single objects, and wraps them as generic errors for listings).
 fn refused(e: &object_store::Error) -> bool {
     matches!(
         e,
         object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
-    ) || {
-        // Some servers answer a bad signature with a 403 that the client reports as generic.
-        let text = e.to_string();
-        [
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "AccessDenied",
-            "403",
-        ]
-        .iter()
-        .any(|m| text.contains(m))
-    }
+    ) || matches!(http_status(e), Some(401 | 403))
 }
+
+/// The HTTP status a server answered with, if the error is an answer (the client's retry
+/// error, which it does not export, says "non-2xx status code: NNN").
+fn http_status(e: &object_store::Error) -> Option<u16> {
+    let text = e.to_string();
+    let at = text.find("non-2xx status code: ")? + "non-2xx status code: ".len();
+    text.get(at..at + 3)?.parse().ok()
+}
+
+/// Whether `name` is a valid S3 bucket name: 3 to 63 lowercase letters, digits, dots and
+/// hyphens, beginning and ending with a letter or a digit.
+fn valid_bucket(name: &str) -> bool {
+    let alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
+    (3..=63).contains(&name.len())
+        && name.chars().all(|c| alnum(c) || c == '.' || c == '-')
+        && name.starts_with(alnum)
+        && name.ends_with(alnum)
+}
+
+/// Whether `prefix` is names separated by single `/`, none empty.
+fn valid_prefix(prefix: &str) -> bool {
+    !prefix.is_empty() && prefix.split('/').all(|part| !part.is_empty())
+}
+
+/// Keys longer than this are named by a hash (S3 names hold at most 1024 bytes; the object
+/// carries the full key, which a read checks).
+const MAX_HEX_KEY: usize = 256;
 
 impl S3Store {
     /// Opens the store: checks the settings, builds the client, and asks the server once (a
@@ -234,8 +255,11 @@ impl S3Store {
         capacity_bytes: u64,
     ) -> Result<Self, StoreError> {
         let bad = |m: String| Err(StoreError::BadInput(m));
-        if options.bucket.is_empty() {
-            return bad("an S3 tier needs a bucket".into());
+        if !valid_bucket(&options.bucket) {
+            return bad(format!(
+                "S3 bucket {:?}: expected 3 to 63 lowercase letters, digits, dots and hyphens",
+                options.bucket
+            ));
         }
         if options.identity.is_empty() {
             return bad(
@@ -248,8 +272,13 @@ impl S3Store {
             return bad("an S3 tier's timeout must be above zero".into());
         }
         let prefix = match ObjectPath::parse(&options.prefix) {
-            Ok(p) if !options.prefix.is_empty() => p,
-            Ok(_) => return bad("an S3 tier's prefix must not be empty".into()),
+            Ok(p) if valid_prefix(&options.prefix) => p,
+            Ok(_) => {
+                return bad(format!(
+                    "S3 prefix {:?}: expected names separated by single '/', none empty",
+                    options.prefix
+                ));
+            }
             Err(e) => return bad(format!("S3 prefix {:?}: {e}", options.prefix)),
         };
         if block_bytes == 0 {
@@ -333,7 +362,7 @@ impl S3Store {
             xxhash_rust::xxh3::xxh3_64(format!("{}\0{block_bytes}", options.identity).as_bytes());
         let store = S3Store {
             client: Arc::new(client),
-            runtime,
+            runtime: Some(runtime),
             prefix: prefix.join(format!("{identity:016x}")),
             block_bytes,
             capacity_blocks,
@@ -372,6 +401,15 @@ impl S3Store {
                     store.server
                 )));
             }
+            // Any other answer of the server's but a 5xx (one starting up, overloaded) is a
+            // setting to fix (a wrong region, an endpoint that is not S3): the open fails.
+            Err(Failure::Client(e)) if http_status(&e).is_some_and(|s| s < 500) => {
+                return Err(StoreError::BadInput(format!(
+                    "{}: the server refused the tier's first request; check the endpoint, \
+                     the region and the addressing (virtual_hosted): {e}",
+                    store.server
+                )));
+            }
             Err(e) => {
                 tracing::warn!(server = %store.server, error = %store.failure(&e), "s3 tier opened, but its server does not answer yet");
             }
@@ -390,6 +428,10 @@ impl S3Store {
     }
 
     fn path_of(&self, key: &Key) -> ObjectPath {
+        if key.len() > MAX_HEX_KEY {
+            let h = xxhash_rust::xxh3::xxh3_128(key.as_bytes());
+            return self.prefix.clone().join(format!("h{h:032x}"));
+        }
         let mut hex = String::with_capacity(2 * key.len());
         for b in key.as_bytes() {
             hex.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
@@ -403,7 +445,7 @@ impl S3Store {
         &self,
         call: impl FnOnce(Instant) -> F,
     ) -> Result<T, Failure> {
-        self.runtime.block_on(async {
+        self.runtime()?.block_on(async {
             let deadline = Instant::now() + self.timeout;
             match tokio::time::timeout_at(deadline, call(deadline)).await {
                 Ok(r) => r.map_err(Failure::Client),
@@ -421,7 +463,15 @@ impl S3Store {
     where
         F: Future<Output = Result<T, Failure>> + 'a,
     {
-        self.runtime.block_on(async {
+        let runtime = match self.runtime() {
+            Ok(r) => r,
+            Err(f) => {
+                return requests
+                    .map(|_| Err(Failure::Store(self.failure(&f))))
+                    .collect();
+            }
+        };
+        runtime.block_on(async {
             let deadline = Instant::now() + self.timeout;
             futures::stream::iter(requests.map(|r| async move {
                 match tokio::time::timeout_at(deadline, r).await {
@@ -435,6 +485,15 @@ impl S3Store {
         })
     }
 
+    /// The runtime to block on; a caller inside a tokio runtime cannot block (a store's calls
+    /// belong on IO threads), which is a failure, not a panic.
+    fn runtime(&self) -> Result<&tokio::runtime::Runtime, Failure> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(Failure::InRuntime);
+        }
+        Ok(self.runtime.as_ref().expect("the runtime lives until drop"))
+    }
+
     fn failure(&self, f: &Failure) -> StoreError {
         match f {
             Failure::Deadline => StoreError::Unavailable(format!(
@@ -443,7 +502,11 @@ impl S3Store {
                 self.timeout.as_millis()
             )),
             Failure::Client(e) => StoreError::Unavailable(format!("{}: {e}", self.server)),
-            Failure::Store(_) => unreachable!("a store error is returned as is"),
+            Failure::InRuntime => StoreError::Unavailable(format!(
+                "{}: called from inside a tokio runtime; call the store from a thread of its own",
+                self.server
+            )),
+            Failure::Store(e) => StoreError::Unavailable(e.to_string()),
         }
     }
 
@@ -479,6 +542,18 @@ enum Failure {
     Client(object_store::Error),
     /// A check of ours (the value's verification, a bad block).
     Store(StoreError),
+    /// The caller runs inside a tokio runtime, where blocking on ours would panic.
+    InRuntime,
+}
+
+impl Drop for S3Store {
+    /// Shuts the runtime down without waiting for its threads (one may be inside a name
+    /// lookup), and without blocking a caller that runs inside a runtime.
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 impl SecondaryStore for S3Store {
@@ -536,6 +611,13 @@ impl SecondaryStore for S3Store {
         let requests = blocks.iter_mut().map(|(key, out)| async move {
             self.check_block(key, out).map_err(Failure::Store)?;
             let value = match self.client.get(&self.path_of(key)).await {
+                // An object of another size is not this block's: not read any further.
+                Ok(r) if r.meta.size != (HEADER_BYTES + key.len() + out.len()) as u64 => {
+                    return Err(Failure::Store(StoreError::Corrupt {
+                        key: (*key).clone(),
+                        reason: "value length",
+                    }));
+                }
                 Ok(r) => r.bytes().await.map_err(Failure::Client)?,
                 Err(object_store::Error::NotFound { .. }) => {
                     return Err(Failure::Store(StoreError::NotFound {
@@ -567,6 +649,9 @@ impl SecondaryStore for S3Store {
     /// One `HEAD` per key, concurrently.
     fn contains_many(&self, keys: &[&Key]) -> Vec<Result<bool, StoreError>> {
         let requests = keys.iter().map(|&key| async move {
+            if key.is_empty() {
+                return Err(Failure::Store(StoreError::BadInput("an empty key".into())));
+            }
             match self.client.head(&self.path_of(key)).await {
                 Ok(_) => Ok(true),
                 Err(object_store::Error::NotFound { .. }) => Ok(false),
@@ -579,17 +664,144 @@ impl SecondaryStore for S3Store {
             .collect()
     }
 
-    /// A `HEAD` of a name never written: "not found" is a server that answers.
+    /// A listing under a name never written, as at open: empty when the server answers and
+    /// the bucket exists (a `HEAD` would answer a missing bucket as a missing object).
     fn check(&self) -> Result<(), StoreError> {
         let probe = self.prefix.clone().join(HEALTH_PROBE);
-        match self.run(|_| async { self.client.head(&probe).await.map(|_| ()) }) {
-            Ok(()) | Err(Failure::Client(object_store::Error::NotFound { .. })) => Ok(()),
-            Err(f) => Err(self.error(f)),
-        }
+        self.run(|_| async {
+            self.client
+                .list_with_delimiter(Some(&probe))
+                .await
+                .map(|_| ())
+        })
+        .map_err(|f| self.error(f))
     }
 
     /// Nothing: a shared tier's blocks are found by probes, not by a listing at start.
     fn recovered(&self) -> Vec<Key> {
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options() -> S3Options {
+        S3Options {
+            endpoint: Some("http://127.0.0.1:9".into()),
+            bucket: "kv-cache".into(),
+            identity: "store/s3.rs unit tests".into(),
+            timeout: Duration::from_millis(200),
+            retries: 0,
+            ..S3Options::default()
+        }
+    }
+
+    fn refused_at_open(o: &S3Options) -> String {
+        S3Store::open(o, 4096, 1 << 20).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn settings_are_checked_before_any_request() {
+        for (bucket, ok) in [
+            ("kv-cache", true),
+            ("a.b-c9", true),
+            ("ab", false),
+            ("Upper", false),
+            ("a/b", false),
+            ("-ab", false),
+            ("ab-", false),
+        ] {
+            assert_eq!(valid_bucket(bucket), ok, "{bucket}");
+        }
+        for (prefix, ok) in [
+            ("kvtier", true),
+            ("fleet/a", true),
+            ("", false),
+            ("/", false),
+            ("/a/", false),
+            ("a//b", false),
+        ] {
+            assert_eq!(valid_prefix(prefix), ok, "{prefix:?}");
+        }
+        let e = refused_at_open(&S3Options {
+            bucket: "a/b".into(),
+            ..options()
+        });
+        assert!(e.contains("bucket"), "{e}");
+        let e = refused_at_open(&S3Options {
+            prefix: "/".into(),
+            ..options()
+        });
+        assert!(e.contains("prefix"), "{e}");
+        let e = refused_at_open(&S3Options {
+            identity: String::new(),
+            ..options()
+        });
+        assert!(e.contains("identity"), "{e}");
+        let e = refused_at_open(&S3Options {
+            endpoint: Some("127.0.0.1:9000".into()),
+            ..options()
+        });
+        assert!(e.contains("http://"), "{e}");
+        let e = refused_at_open(&S3Options {
+            access_key_id: Some("k".into()),
+            ..options()
+        });
+        assert!(e.contains("together"), "{e}");
+    }
+
+    /// A server that does not answer (nothing listens on the discard port) gives a store that
+    /// opens, Down-bound: its calls fail, each within its deadline, and never as NotFound.
+    #[test]
+    fn an_unreachable_server_opens_and_every_call_fails() {
+        let store = S3Store::open(&options(), 4096, 1 << 20).expect("opens, Down-bound");
+        let key = Key::new(b"k");
+        let start = std::time::Instant::now();
+        assert!(matches!(store.check(), Err(StoreError::Unavailable(_))));
+        assert!(matches!(
+            store.contains(&key),
+            Err(StoreError::Unavailable(_))
+        ));
+        let mut out = vec![0u8; 4096];
+        assert!(matches!(
+            store.get(&key, &mut out),
+            Err(StoreError::Unavailable(_))
+        ));
+        assert!(store.put(&key, &[0u8; 4096]).is_err());
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+
+    #[test]
+    fn long_keys_get_short_names_and_empty_keys_are_refused() {
+        let store = S3Store::open(&options(), 4096, 1 << 20).unwrap();
+        let short = Key::new(&[0xab; 8]);
+        assert!(store.name_of(&short).ends_with(&"ab".repeat(8)));
+        let long = Key::new(&[7u8; 600]);
+        let name = store.name_of(&long);
+        assert!(name.len() < 100, "{name}");
+        assert_ne!(name, store.name_of(&Key::new(&[8u8; 600])));
+        let empty = Key::new(b"");
+        assert!(matches!(
+            store.contains(&empty),
+            Err(StoreError::BadInput(_))
+        ));
+    }
+
+    #[test]
+    fn a_store_called_inside_a_runtime_fails_instead_of_panicking() {
+        let store = S3Store::open(&options(), 4096, 1 << 20).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let e = rt.block_on(async { store.check().unwrap_err() });
+        assert!(e.to_string().contains("inside a tokio runtime"), "{e}");
+        // Dropped inside a runtime: no panic.
+        rt.block_on(async { drop(store) });
     }
 }
