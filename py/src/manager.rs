@@ -13,7 +13,7 @@ use std::time::Duration;
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyType};
 
 use kvtier_core::{
     BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind, RequestId,
@@ -336,27 +336,36 @@ fn parse_fsync(key: &str, name: &str) -> PyResult<FsyncPolicy> {
 pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSettings> {
     let name = |k: &str| format!("secondary_tiers[{i}].{k}");
     let get = |k: &str| d.get_item(k);
-    /// A required or optional value of type `T`, with an error naming the key.
+    /// A required or optional value of type `T`, with an error naming the key. `None` (JSON's
+    /// `null`) is absent, as in the bench's configuration file; a bool is not a number
+    /// (Python's `True` is an int).
     fn value<'py, T: FromPyObjectOwned<'py>>(
         v: Option<Bound<'py, PyAny>>,
         key: &str,
         what: &str,
     ) -> PyResult<Option<T>> {
-        v.map(|v| {
-            v.extract()
-                .map_err(|_| errors::config(key, format!("not {what}")))
-        })
-        .transpose()
+        v.filter(|v| !v.is_none())
+            .map(|v| {
+                let bool_for_number = v.is_instance_of::<PyBool>() && what != "true or false";
+                if bool_for_number {
+                    return Err(errors::config(key, format!("not {what}")));
+                }
+                v.extract()
+                    .map_err(|_| errors::config(key, format!("not {what}")))
+            })
+            .transpose()
     }
     let kinds: Vec<String> = STORE_KINDS.iter().map(|(k, _)| format!("{k:?}")).collect();
     let kind: String = value(get("type")?, &name("type"), "a string")?
         .ok_or_else(|| errors::config(&name("type"), format!("missing ({})", kinds.join(", "))))?;
     // One table of store kinds and their keys, the bench's configuration file's.
-    let keys: Vec<String> = d
-        .keys()
-        .iter()
-        .map(|k| k.extract())
-        .collect::<PyResult<_>>()?;
+    // Keys set to `None` are absent, as above.
+    let mut keys: Vec<String> = Vec::new();
+    for (k, v) in d.iter() {
+        if !v.is_none() {
+            keys.push(k.extract()?);
+        }
+    }
     check_store_keys(
         &kind,
         keys.iter()

@@ -174,6 +174,8 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
         ({"secondary_tiers": [{"type": "tape", "path": "/x", "capacity_bytes": 1}]}, "secondary_tiers[0].type"),
         ({"secondary_tiers": [{"type": "s3", "path": "/x", "capacity_bytes": 1}]}, "secondary_tiers[0].path"),
         ({"secondary_tiers": [{"type": "s3", "capacity_bytes": 1}]}, "secondary_tiers[0].bucket"),
+        ({"secondary_tiers": [{"type": "s3", "bucket": "kv-b", "capacity_bytes": 1, "retries": True}]},
+         "secondary_tiers[0].retries"),
         ({"secondary_tiers": [{"type": "file", "capacity_bytes": 1 << 30}]}, "secondary_tiers[0].path"),
         ({"secondary_tiers": [{"type": "file", "path": "P"}]}, "secondary_tiers[0].capacity_bytes"),
         ({"secondary_tiers": [{"type": "file", "path": "P", "capacity_bytes": 1}]}, "secondary_tiers[0].capacity_bytes"),

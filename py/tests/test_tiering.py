@@ -336,13 +336,13 @@ def test_two_nodes_share_an_s3_tier(region_dir, s3_server, monkeypatch):
     """Node A's blocks cascade to a shared S3 tier (a real SeaweedFS server, signed requests
     with credentials from the environment variables the settings name); node B, with a
     primary of its own, finds one by an existence probe, promotes it and serves the same
-    bytes. A block no node stored is a Miss."""
+    bytes. A block no node stored is a Miss. Settings set to None (JSON's null) are absent."""
     endpoint, bucket, access, secret = s3_server
     monkeypatch.setenv("KVTIER_PY_S3_KEY", access)
     monkeypatch.setenv("KVTIER_PY_S3_SECRET", secret)
     tier = {"type": "s3", "endpoint": endpoint, "bucket": bucket, "prefix": "pytest",
             "access_key_id_env": "KVTIER_PY_S3_KEY", "secret_access_key_env": "KVTIER_PY_S3_SECRET",
-            "timeout_ms": 5000}
+            "timeout_ms": 5000, "region": None, "session_token_env": None}
     a, b = two_nodes(region_dir, tier, 15)
     try:
         promoted_by_the_other(a, b, "s3-shared")
