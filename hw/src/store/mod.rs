@@ -115,6 +115,24 @@ pub enum StoreError {
     Unavailable(String),
 }
 
+/// A credential from the environment variable `var` names, if a configuration names one
+/// (credentials never live in configuration files); `lookup` is the environment. A named
+/// variable that is not set is an error naming it and `what` it was to hold.
+pub(crate) fn credential_from_env(
+    var: Option<&str>,
+    what: &str,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<String>, StoreError> {
+    var.map(|v| {
+        lookup(v).ok_or_else(|| {
+            StoreError::BadInput(format!(
+                "the {what} is to come from the environment variable {v}, which is not set"
+            ))
+        })
+    })
+    .transpose()
+}
+
 /// One secondary tier's storage of blocks, each a row of the primary region.
 pub trait SecondaryStore: Send + Sync + 'static {
     /// A short name for logs and reports ("file", "remote").

@@ -82,7 +82,7 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, ErrorKind, RedisError, RetryMethod, TlsCertificates, Value};
 
 use crate::store::value::{HEADER_BYTES, decode, header};
-use crate::store::{SecondaryStore, StoreError};
+use crate::store::{SecondaryStore, StoreError, credential_from_env};
 
 /// How to reach a Redis store, and what this node keeps of it.
 #[derive(Clone, PartialEq, Eq)]
@@ -147,18 +147,8 @@ impl RedisOptions {
         password_env: Option<&str>,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), StoreError> {
-        let read = |var: Option<&str>, what: &str| -> Result<Option<String>, StoreError> {
-            var.map(|v| {
-                lookup(v).ok_or_else(|| {
-                    StoreError::BadInput(format!(
-                        "the Redis {what} is to come from the environment variable {v}, which is not set"
-                    ))
-                })
-            })
-            .transpose()
-        };
-        self.username = read(username_env, "user name")?;
-        self.password = read(password_env, "password")?;
+        self.username = credential_from_env(username_env, "Redis user name", &lookup)?;
+        self.password = credential_from_env(password_env, "Redis password", &lookup)?;
         Ok(())
     }
 

@@ -52,7 +52,7 @@ use object_store::{
 use tokio::time::Instant;
 
 use crate::store::value::{HEADER_BYTES, decode, encode};
-use crate::store::{SecondaryStore, StoreError};
+use crate::store::{SecondaryStore, StoreError, credential_from_env};
 
 /// Requests of one call in flight at a time.
 pub(crate) const CONCURRENCY: usize = 32;
@@ -151,19 +151,10 @@ impl S3Options {
         session_token_env: Option<&str>,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), StoreError> {
-        let read = |var: Option<&str>, what: &str| -> Result<Option<String>, StoreError> {
-            var.map(|v| {
-                lookup(v).ok_or_else(|| {
-                    StoreError::BadInput(format!(
-                        "the S3 {what} is to come from the environment variable {v}, which is not set"
-                    ))
-                })
-            })
-            .transpose()
-        };
-        self.access_key_id = read(access_key_id_env, "access key id")?;
-        self.secret_access_key = read(secret_access_key_env, "secret access key")?;
-        self.session_token = read(session_token_env, "session token")?;
+        let read = |var, what| credential_from_env(var, what, &lookup);
+        self.access_key_id = read(access_key_id_env, "S3 access key id")?;
+        self.secret_access_key = read(secret_access_key_env, "S3 secret access key")?;
+        self.session_token = read(session_token_env, "S3 session token")?;
         if self.access_key_id.is_some() != self.secret_access_key.is_some() {
             return Err(StoreError::BadInput(
                 "an S3 tier signs with an access key id and a secret access key together: \
@@ -374,16 +365,7 @@ impl S3Store {
             },
             server,
         };
-        // A listing under a name that is never written: empty when the bucket exists and the
-        // credentials are taken.
-        let probe = store.prefix.clone().join(HEALTH_PROBE);
-        let listed = store.run(|_| async {
-            store
-                .client
-                .list_with_delimiter(Some(&probe))
-                .await
-                .map(|_| ())
-        });
+        let listed = store.list_probe();
         match listed {
             Ok(()) => {
                 tracing::info!(server = %store.server, prefix = %store.prefix, "s3 tier open");
@@ -440,18 +422,21 @@ impl S3Store {
         self.prefix.clone().join(hex)
     }
 
-    /// Runs one call on the runtime, given the call's deadline, by which it is cut.
-    fn run<T, F: Future<Output = Result<T, object_store::Error>>>(
-        &self,
-        call: impl FnOnce(Instant) -> F,
-    ) -> Result<T, Failure> {
-        self.runtime()?.block_on(async {
-            let deadline = Instant::now() + self.timeout;
-            match tokio::time::timeout_at(deadline, call(deadline)).await {
-                Ok(r) => r.map_err(Failure::Client),
-                Err(_) => Err(Failure::Deadline),
-            }
-        })
+    /// A listing under a name that is never written (at open, and in each health probe):
+    /// empty when the server answers, the bucket exists and the credentials are taken (a
+    /// `HEAD` would answer a missing bucket as a missing object). One call, by its deadline.
+    fn list_probe(&self) -> Result<(), Failure> {
+        let probe = self.prefix.clone().join(HEALTH_PROBE);
+        let listing = async {
+            self.client
+                .list_with_delimiter(Some(&probe))
+                .await
+                .map(|_| ())
+                .map_err(Failure::Client)
+        };
+        self.run_each(std::iter::once(listing))
+            .pop()
+            .expect("one answer")
     }
 
     /// The requests of one call, each cut at the call's deadline, at most [`CONCURRENCY`] in
@@ -664,17 +649,9 @@ impl SecondaryStore for S3Store {
             .collect()
     }
 
-    /// A listing under a name never written, as at open: empty when the server answers and
-    /// the bucket exists (a `HEAD` would answer a missing bucket as a missing object).
+    /// The listing of `open` (`list_probe`).
     fn check(&self) -> Result<(), StoreError> {
-        let probe = self.prefix.clone().join(HEALTH_PROBE);
-        self.run(|_| async {
-            self.client
-                .list_with_delimiter(Some(&probe))
-                .await
-                .map(|_| ())
-        })
-        .map_err(|f| self.error(f))
+        self.list_probe().map_err(|f| self.error(f))
     }
 
     /// Nothing: a shared tier's blocks are found by probes, not by a listing at start.
