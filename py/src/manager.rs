@@ -315,7 +315,7 @@ fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn parse_policy(key: &str, name: &str) -> PyResult<PolicyKind> {
+pub(crate) fn parse_policy(key: &str, name: &str) -> PyResult<PolicyKind> {
     match name {
         "lru" => Ok(PolicyKind::Lru),
         "arc" => Ok(PolicyKind::Arc),
@@ -474,6 +474,39 @@ pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSet
     })
 }
 
+/// Opens the secondary tiers of `settings` for blocks named by `identity` into `config`,
+/// creates the region at `path` and starts a scheduler driver over both. `threads` are the
+/// region's prefault threads and each tier's IO threads. Blocking: call it with the GIL
+/// released.
+pub(crate) fn open_driver(
+    mut config: Config,
+    settings: &[TierSettings],
+    identity: &str,
+    path: &std::path::Path,
+    layout: Layout,
+    (prefault_threads, io_threads): (usize, usize),
+    shutdown_timeout: Duration,
+) -> PyResult<Driver> {
+    let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
+    for (i, t) in settings.iter().enumerate() {
+        let (store, kind) = t.open(i, identity, layout.row_bytes())?;
+        let mut tc = TierConfig::new(kind, store.capacity_blocks());
+        tc.policy = t.policy;
+        config.tiers.push(tc);
+        stores.push(store);
+    }
+    config
+        .validate()
+        .map_err(|e| errors::config_error(e.to_string()))?;
+    let region = Region::create(path, layout, prefault_threads.max(1)).map_err(errors::region)?;
+    let options = DriverOptions {
+        io_threads_per_tier: io_threads.max(1),
+        shutdown_timeout,
+        ..DriverOptions::default()
+    };
+    Driver::scheduler(config, Arc::new(region), stores, options).map_err(errors::hw)
+}
+
 /// The keys of an iterable of `bytes`, into `out`.
 pub(crate) fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<Key>) -> PyResult<()> {
     out.clear();
@@ -605,26 +638,17 @@ impl Manager {
             .collect::<PyResult<Vec<_>>>()?;
         let row = layout.row_bytes();
         let path = region_path.clone();
-        let build = move || -> PyResult<Driver> {
-            let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
-            for (i, t) in settings.iter().enumerate() {
-                let (store, kind) = t.open(i, &identity, row)?;
-                let mut tc = TierConfig::new(kind, store.capacity_blocks());
-                tc.policy = t.policy;
-                config.tiers.push(tc);
-                stores.push(store);
-            }
-            config
-                .validate()
-                .map_err(|e| errors::config_error(e.to_string()))?;
-            let region =
-                Region::create(&path, layout, prefault_threads.max(1)).map_err(errors::region)?;
-            let options = DriverOptions {
-                io_threads_per_tier: io_threads.max(1),
+        let build = move || {
+            let threads = (prefault_threads, io_threads);
+            open_driver(
+                config,
+                &settings,
+                &identity,
+                &path,
+                layout,
+                threads,
                 shutdown_timeout,
-                ..DriverOptions::default()
-            };
-            Driver::scheduler(config, Arc::new(region), stores, options).map_err(errors::hw)
+            )
         };
         // Opening tiers and faulting the region in may take a while: let other threads run.
         let driver = py.detach(build)?;

@@ -1,0 +1,648 @@
+//! `PageCache`: kvtier's primary and secondary tiers as a page store that an engine's host
+//! memory pool reads from and writes to by address (SGLang's HiCache storage backend,
+//! `kvtier/sglang.py`).
+//!
+//! One `PageCache` per engine rank process: it owns a [`Driver`] over a primary region of its
+//! own, and copies whole pages between the region's rows and the caller's memory itself (no
+//! worker processes). A page is given as pieces: addresses and sizes, in order, whose bytes
+//! make up the row (one piece per page in SGLang's `page_first` layouts, one per layer and
+//! K/V in `layer_first`).
+//!
+//! What a call answers, under the core's rules:
+//! - `exists`: the length of the leading run of keys Ready in the primary. Keys held by a
+//!   secondary tier are promoted first and counted once their promotion has ended and the
+//!   block is Ready (a promotion that fails is never counted); the wait is bounded.
+//! - `get`: per key, whether its page was copied in full from a block that is Ready and
+//!   pinned by the load (P11–P13): Ready blocks were written whole by a store or checked by a
+//!   tier's read.
+//! - `set`: per key, whether its block is Ready in the primary when the call returns: stored
+//!   by this call (P4–P8) or already there. From there it cascades to the secondary tiers.
+//!
+//! Every call but the constructor releases the GIL. The driver sits behind one mutex; a call
+//! that waits for tier IO holds it only for short slices, so that another thread's calls (the
+//! backup thread's `set` beside the prefetch thread's `exists`) go on meanwhile.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use kvtier_core::{BlockState, Config, Error as CoreError, Key, Lookup, RequestId, SlotId};
+use kvtier_hw::{Driver, Layout, Region};
+
+use crate::errors;
+use crate::manager::{key_of, open_driver, parse_policy, tier_settings};
+
+/// How long one slice of a wait holds the driver's lock.
+const WAIT_SLICE: Duration = Duration::from_millis(2);
+
+/// Counters of the page calls since the start (the core's own are in `stats`).
+#[derive(Default)]
+struct Tally {
+    pages_found: u64,
+    pages_read: u64,
+    pages_not_read: u64,
+    pages_written: u64,
+    pages_not_written: u64,
+    wait_timeouts: u64,
+}
+
+struct Inner {
+    driver: Option<Driver>,
+    next_request: u64,
+    tally: Tally,
+}
+
+impl Inner {
+    fn driver(&mut self) -> PyResult<&mut Driver> {
+        self.driver
+            .as_mut()
+            .ok_or_else(|| errors::StateError::new_err("the page cache was shut down"))
+    }
+
+    fn request(&mut self) -> RequestId {
+        let r = RequestId(self.next_request);
+        self.next_request += 1;
+        r
+    }
+}
+
+/// kvtier's tiers as a page store addressed by the caller's memory.
+#[pyclass(module = "kvtier._native", frozen)]
+pub(crate) struct PageCache {
+    inner: Mutex<Inner>,
+    /// Bytes of one page (the sum of its pieces).
+    page_bytes: usize,
+    num_blocks: u32,
+    wait_timeout: Duration,
+}
+
+fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The pieces of each page: `addrs` and `sizes` in page order, `per_page` pieces a page.
+struct Pieces {
+    addrs: Vec<usize>,
+    sizes: Vec<usize>,
+    per_page: usize,
+}
+
+impl Pieces {
+    /// Checks the shape against `pages` pages of `page_bytes` each.
+    fn new(
+        addrs: Vec<usize>,
+        sizes: Vec<usize>,
+        pages: usize,
+        page_bytes: usize,
+    ) -> PyResult<Self> {
+        if addrs.len() != sizes.len() {
+            return Err(errors::StateError::new_err(format!(
+                "{} piece addresses for {} sizes",
+                addrs.len(),
+                sizes.len()
+            )));
+        }
+        if pages == 0 || addrs.is_empty() {
+            return Ok(Pieces {
+                addrs,
+                sizes,
+                per_page: 0,
+            });
+        }
+        if !addrs.len().is_multiple_of(pages) {
+            return Err(errors::StateError::new_err(format!(
+                "{} pieces do not split evenly over {pages} pages",
+                addrs.len()
+            )));
+        }
+        let per_page = addrs.len() / pages;
+        for (p, chunk) in sizes.chunks(per_page).enumerate() {
+            let total: usize = chunk.iter().sum();
+            if total != page_bytes {
+                return Err(errors::StateError::new_err(format!(
+                    "page {p} has {total} bytes in its pieces; a page here has {page_bytes}"
+                )));
+            }
+        }
+        if addrs.contains(&0) {
+            return Err(errors::StateError::new_err("a piece's address is null"));
+        }
+        Ok(Pieces {
+            addrs,
+            sizes,
+            per_page,
+        })
+    }
+
+    fn of(&self, page: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let r = page * self.per_page..(page + 1) * self.per_page;
+        self.addrs[r.clone()]
+            .iter()
+            .copied()
+            .zip(self.sizes[r].iter().copied())
+    }
+}
+
+/// Copies page `page` of `pieces` into the row of `slot`.
+///
+/// Only for a slot Pending for the calling store (P4, I6).
+fn copy_in(region: &Region, slot: SlotId, pieces: &Pieces, page: usize) -> Result<(), String> {
+    let mut at = 0;
+    for (addr, len) in pieces.of(page) {
+        // SAFETY: `PageCache`'s callers pass addresses of their own host memory that are
+        // valid for `len` bytes and not written while the call runs (SGLang's host pool
+        // pages, from its `get_page_buffer_meta`); null was refused in `Pieces::new`.
+        let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        region
+            .write_part(slot, 0, at, src)
+            .map_err(|e| e.to_string())?;
+        at += len;
+    }
+    Ok(())
+}
+
+/// Copies the row of `slot` into page `page` of `pieces`.
+///
+/// Only for a slot pinned by `prepare_load` (P11, I3).
+fn copy_out(region: &Region, slot: SlotId, pieces: &Pieces, page: usize) -> Result<(), String> {
+    let mut at = 0;
+    for (addr, len) in pieces.of(page) {
+        // SAFETY: as in `copy_in`; the caller's pages are its own, written by nobody else
+        // while the call runs (SGLang allocated them for this load).
+        let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+        region
+            .read_part(slot, 0, at, dst)
+            .map_err(|e| e.to_string())?;
+        at += len;
+    }
+    Ok(())
+}
+
+impl PageCache {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        lock(&self.inner)
+    }
+
+    /// Looks `keys` up for `req` until none of the first `limit` of them is on its way (a
+    /// promotion or probe in flight) or the deadline passes, ending a step between rounds so
+    /// that promotions go out. Answers each key's last answer (keys after the first Miss are
+    /// not looked up when `leading`, and stay Miss).
+    ///
+    /// With `pins`, each key is pinned for a load (P11) as soon as it answers Hit, its slot
+    /// kept in `pins`: a block found early cannot be evicted by the promotions of the keys
+    /// after it. The caller releases every pin it is given (P13).
+    fn resolve(
+        &self,
+        req: RequestId,
+        keys: &[Key],
+        leading: bool,
+        mut pins: Option<&mut Vec<Option<SlotId>>>,
+    ) -> PyResult<Vec<Lookup>> {
+        let deadline = Instant::now() + self.wait_timeout;
+        let mut answers = vec![Lookup::Miss; keys.len()];
+        let mut open: Vec<usize> = (0..keys.len()).collect();
+        loop {
+            let mut inner = self.lock();
+            let driver = inner.driver()?;
+            let mut still = Vec::new();
+            if pins.is_some() {
+                // Ready blocks are pinned before any lookup starts a promotion, which could
+                // evict them to make room.
+                let primary = driver.manager().primary();
+                open.sort_by_key(|&i| {
+                    !matches!(
+                        primary.state_of(&keys[i]),
+                        Some((_, BlockState::Ready { .. }))
+                    )
+                });
+            }
+            for &i in &open {
+                let refused = driver.manager().stats().promotions_refused;
+                let mut a = driver.lookup(req, &keys[i]);
+                if a == Lookup::Miss
+                    && driver.manager().stats().promotions_refused > refused
+                    && driver.in_flight() > 0
+                {
+                    // Found below, but no slot is free now: IO in flight holds pins that
+                    // its end lets go. Asked again after it, within the deadline.
+                    answers[i] = Lookup::Retry;
+                    still.push(i);
+                    continue;
+                }
+                if a == Lookup::Hit
+                    && let Some(pins) = pins.as_deref_mut()
+                {
+                    // Under the lock since the lookup: the block is still Ready.
+                    match driver.prepare_load(req, std::slice::from_ref(&keys[i])) {
+                        Ok(slots) => pins[i] = Some(slots[0]),
+                        Err(_) => a = Lookup::Miss,
+                    }
+                }
+                answers[i] = a;
+                match a {
+                    Lookup::Hit => {}
+                    Lookup::HitPending | Lookup::Retry => still.push(i),
+                    Lookup::Miss if leading => break,
+                    // A Miss, or an answer this version of the core added: not counted.
+                    _ => {}
+                }
+            }
+            if leading && let Some(m) = answers.iter().position(|a| *a == Lookup::Miss) {
+                // Keys past the first Miss are not counted: stop waiting for them.
+                still.retain(|&i| i < m);
+                for a in &mut answers[m + 1..] {
+                    *a = Lookup::Miss;
+                }
+            }
+            still.sort_unstable();
+            if still.is_empty() {
+                return Ok(answers);
+            }
+            if Instant::now() >= deadline {
+                inner.tally.wait_timeouts += 1;
+                for &i in &still {
+                    answers[i] = Lookup::Miss;
+                }
+                return Ok(answers);
+            }
+            let driver = inner.driver()?;
+            driver.end_step();
+            driver.wait_any(WAIT_SLICE);
+            drop(inner);
+            open = still;
+        }
+    }
+
+    fn finish(&self, req: RequestId) {
+        if let Ok(d) = self.lock().driver() {
+            d.request_finished(req);
+            // Each call is a step of its own: the holds of its hits end with it (★8).
+            d.end_step();
+        }
+    }
+
+    /// Stores `keys` (absent ones) from `pieces`: whether each is Ready afterwards.
+    fn store(&self, req: RequestId, keys: &[Key], pieces: &Pieces) -> PyResult<Vec<bool>> {
+        // A block being promoted is Ready soon, or gone: wait for it first.
+        let settle_deadline = Instant::now() + self.wait_timeout;
+        loop {
+            let mut inner = self.lock();
+            let driver = inner.driver()?;
+            let moving = keys.iter().any(|k| {
+                matches!(
+                    driver.manager().primary().state_of(k),
+                    Some((_, BlockState::Promoting | BlockState::Pending))
+                )
+            });
+            if !moving || Instant::now() >= settle_deadline {
+                break;
+            }
+            driver.end_step();
+            driver.wait_any(WAIT_SLICE);
+        }
+        let mut inner = self.lock();
+        let driver = inner.driver()?;
+        let index: std::collections::HashMap<&Key, usize> =
+            keys.iter().enumerate().map(|(i, k)| (k, i)).collect();
+        let ready: Vec<Key> = keys
+            .iter()
+            .filter(|k| {
+                matches!(
+                    driver.manager().primary().state_of(k),
+                    Some((_, BlockState::Ready { .. }))
+                )
+            })
+            .cloned()
+            .collect();
+        driver.touch(&ready);
+        // All or nothing in one call (P5); when there is no room for all, one at a time.
+        let batches: Vec<Vec<Key>> = match driver.prepare_store(req, keys) {
+            Ok(p) => {
+                Self::fill(driver, req, &p.keys, &p.slots, pieces, &index);
+                Vec::new()
+            }
+            Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => {
+                keys.iter().map(|k| vec![k.clone()]).collect()
+            }
+            Err(e) => return Err(errors::hw(e)),
+        };
+        for one in batches {
+            match driver.prepare_store(req, &one) {
+                Ok(p) => Self::fill(driver, req, &p.keys, &p.slots, pieces, &index),
+                Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => {}
+                Err(e) => return Err(errors::hw(e)),
+            }
+        }
+        let stored: Vec<bool> = keys
+            .iter()
+            .map(|k| {
+                matches!(
+                    driver.manager().primary().state_of(k),
+                    Some((_, BlockState::Ready { .. }))
+                )
+            })
+            .collect();
+        driver.request_finished(req);
+        driver.end_step();
+        let ok = stored.iter().filter(|s| **s).count() as u64;
+        inner.tally.pages_written += ok;
+        inner.tally.pages_not_written += keys.len() as u64 - ok;
+        Ok(stored)
+    }
+
+    /// Copies the Pending `slots` of `keys` from their pages and completes the store: each
+    /// block's copy either ends whole (Ready) or its slot goes back (P8, P9).
+    fn fill(
+        driver: &mut Driver,
+        req: RequestId,
+        keys: &[Key],
+        slots: &[SlotId],
+        pieces: &Pieces,
+        index: &std::collections::HashMap<&Key, usize>,
+    ) {
+        let region = driver.region().clone();
+        let mut good = Vec::with_capacity(keys.len());
+        let mut bad = Vec::new();
+        for (k, &slot) in keys.iter().zip(slots) {
+            match copy_in(&region, slot, pieces, index[k]) {
+                Ok(()) => good.push(k.clone()),
+                Err(e) => {
+                    tracing::warn!(key = %k, error = %e, "page copy into the primary failed");
+                    bad.push(k.clone());
+                }
+            }
+        }
+        if !good.is_empty() {
+            driver.complete_store(req, &good, true);
+        }
+        if !bad.is_empty() {
+            driver.complete_store(req, &bad, false);
+        }
+    }
+}
+
+fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+    keys.try_iter()?.map(|k| key_of(&k?)).collect()
+}
+
+#[pymethods]
+impl PageCache {
+    /// A primary of `num_blocks` pages of `page_bytes` in an anonymous region named
+    /// `region_path` (`@NAME`) or a file, and the secondary tiers `tiers` (the same settings
+    /// as `kvtier.vllm`'s `secondary_tiers`), their blocks named by `identity`.
+    #[new]
+    #[pyo3(signature = (*, num_blocks, page_bytes, region_path, policy = "lru", tiers = Vec::new(),
+        identity = String::new(), io_threads = 4, wait_timeout_s = 2.0, shutdown_timeout_s = 30.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: u32,
+        page_bytes: usize,
+        region_path: std::path::PathBuf,
+        policy: &str,
+        tiers: Vec<Bound<'_, PyDict>>,
+        identity: String,
+        io_threads: usize,
+        wait_timeout_s: f64,
+        shutdown_timeout_s: f64,
+    ) -> PyResult<Self> {
+        let positive = |key: &str, s: f64| {
+            if s.is_finite() && s > 0.0 {
+                Ok(Duration::from_secs_f64(s))
+            } else {
+                Err(errors::config(
+                    key,
+                    format!("{s} is not a positive number of seconds"),
+                ))
+            }
+        };
+        let wait_timeout = positive("wait_timeout_s", wait_timeout_s)?;
+        let shutdown_timeout = positive("shutdown_timeout_s", shutdown_timeout_s)?;
+        if page_bytes == 0 {
+            return Err(errors::config("page_bytes", "a page has at least one byte"));
+        }
+        let mut config = Config::new(num_blocks);
+        config.policy = parse_policy("eviction_policy", policy)?;
+        config.events = false;
+        let layout =
+            Layout::new(num_blocks, 1, page_bytes).map_err(|e| errors::config("cpu_bytes", e))?;
+        let settings = tiers
+            .iter()
+            .enumerate()
+            .map(|(i, d)| tier_settings(i, d))
+            .collect::<PyResult<Vec<_>>>()?;
+        let build = move || {
+            let threads = (1, io_threads);
+            open_driver(
+                config,
+                &settings,
+                &identity,
+                &region_path,
+                layout,
+                threads,
+                shutdown_timeout,
+            )
+        };
+        let driver = py.detach(build)?;
+        Ok(PageCache {
+            inner: Mutex::new(Inner {
+                driver: Some(driver),
+                next_request: 0,
+                tally: Tally::default(),
+            }),
+            page_bytes,
+            num_blocks,
+            wait_timeout,
+        })
+    }
+
+    /// Bytes of one page.
+    #[getter]
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Pages the primary holds.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// The length of the leading run of `keys` whose blocks are Ready in the primary, after
+    /// waiting (up to `wait_timeout_s`) for the promotions and probes their lookups start.
+    fn exists(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        py.detach(|| {
+            let req = self.lock().request();
+            let answers = self.resolve(req, &keys, true, None);
+            self.finish(req);
+            let n = answers?.iter().take_while(|a| **a == Lookup::Hit).count();
+            self.lock().tally.pages_found += n as u64;
+            Ok(n)
+        })
+    }
+
+    /// Copies the pages of `keys` into the caller's memory: page `i` is the `per_page`
+    /// pieces `addrs[i * per_page ..]` of `sizes` bytes (flattened, page by page). Per key,
+    /// whether its page was written in full from a Ready block. Blocks held by a secondary
+    /// tier are promoted first (bounded by `wait_timeout_s`).
+    fn get(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        addrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        let keys = keys_of(keys)?;
+        let pieces = Pieces::new(addrs, sizes, keys.len(), self.page_bytes)?;
+        py.detach(|| {
+            let req = self.lock().request();
+            let mut pins = vec![None; keys.len()];
+            let resolved = self.resolve(req, &keys, false, Some(&mut pins));
+            let mut inner = self.lock();
+            let driver = inner.driver()?;
+            resolved?;
+            let region = driver.region().clone();
+            let mut read = vec![false; keys.len()];
+            for (i, key) in keys.iter().enumerate() {
+                let Some(slot) = pins[i] else { continue };
+                match copy_out(&region, slot, &pieces, i) {
+                    Ok(()) => read[i] = true,
+                    Err(e) => {
+                        tracing::warn!(%key, error = %e, "page copy out of the primary failed")
+                    }
+                }
+                driver
+                    .complete_load(std::slice::from_ref(key))
+                    .map_err(errors::hw)?;
+            }
+            driver.request_finished(req);
+            driver.end_step();
+            let ok = read.iter().filter(|r| **r).count() as u64;
+            inner.tally.pages_read += ok;
+            inner.tally.pages_not_read += keys.len() as u64 - ok;
+            Ok(read)
+        })
+    }
+
+    /// Stores the pages of `keys` from the caller's memory (pieces as in `get`). Per key,
+    /// whether its block is Ready in the primary when the call returns (stored now or
+    /// before); from there it cascades to the secondary tiers.
+    fn set(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        addrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        let keys = keys_of(keys)?;
+        let pieces = Pieces::new(addrs, sizes, keys.len(), self.page_bytes)?;
+        py.detach(|| {
+            let req = self.lock().request();
+            self.store(req, &keys, &pieces)
+        })
+    }
+
+    /// Ends a step of the core: results of finished tier IO are applied and queued
+    /// promotions and probes go out (the calls above do it as they go; an idle caller may).
+    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let mut inner = self.lock();
+            inner.driver()?.end_step();
+            Ok(())
+        })
+    }
+
+    /// Waits (up to `timeout_s`) until no tier IO is in flight: cascades and promotions
+    /// started so far have ended. Whether nothing is left.
+    fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        let deadline = Instant::now()
+            + Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        py.detach(|| {
+            loop {
+                let mut inner = self.lock();
+                let driver = inner.driver()?;
+                driver.end_step();
+                if !driver.has_pending_work() {
+                    return Ok(true);
+                }
+                if Instant::now() >= deadline {
+                    return Ok(false);
+                }
+                driver.wait_any(WAIT_SLICE);
+            }
+        })
+    }
+
+    /// Forgets every page in the primary (M12, after up to `timeout_s` for tier IO in
+    /// flight). The secondary tiers keep theirs.
+    fn clear(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        py.detach(|| {
+            let mut inner = self.lock();
+            let driver = inner.driver()?;
+            driver.reset_cache(timeout).map_err(errors::hw)?;
+            driver.reset_flushed();
+            Ok(())
+        })
+    }
+
+    /// The page calls' counters and the core's: a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut inner = self.lock();
+        let t = &inner.tally;
+        let d = PyDict::new(py);
+        d.set_item("pages_found", t.pages_found)?;
+        d.set_item("pages_read", t.pages_read)?;
+        d.set_item("pages_not_read", t.pages_not_read)?;
+        d.set_item("pages_written", t.pages_written)?;
+        d.set_item("pages_not_written", t.pages_not_written)?;
+        d.set_item("wait_timeouts", t.wait_timeouts)?;
+        let driver = inner.driver()?;
+        let s = driver.manager().stats();
+        d.set_item("primary_blocks", driver.manager().primary().len())?;
+        d.set_item("lookups", s.lookups)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("promotions_started", s.promotions_started)?;
+        d.set_item("promotions_failed", s.promotions_failed)?;
+        d.set_item("promotions_missing", s.promotions_missing)?;
+        d.set_item("load_pins", s.load_pins)?;
+        d.set_item("jobs_outstanding", s.jobs_outstanding)?;
+        let tiers = PyList::empty(py);
+        for (health, ts) in &s.tiers {
+            let td = PyDict::new(py);
+            td.set_item("blocks", ts.blocks)?;
+            td.set_item("hits", ts.hits)?;
+            td.set_item("blocks_cascaded", ts.blocks_cascaded)?;
+            td.set_item("jobs_failed", ts.jobs_failed)?;
+            td.set_item("read_failures", ts.read_failures)?;
+            td.set_item("health", format!("{health:?}"))?;
+            tiers.append(td)?;
+        }
+        d.set_item("tiers", tiers)?;
+        Ok(d)
+    }
+
+    /// Checks the core's invariants (a test's assertion); raises on a violation.
+    fn check_invariants(&self) -> PyResult<()> {
+        let mut inner = self.lock();
+        inner
+            .driver()?
+            .manager()
+            .check_invariants()
+            .map_err(|e| errors::StateError::new_err(e.to_string()))
+    }
+
+    /// Waits (up to the shutdown timeout) for tier IO in flight, stops the IO threads and
+    /// frees the region. Later calls raise `StateError`; a second call does nothing.
+    fn shutdown(&self, py: Python<'_>) {
+        let driver = py.detach(|| self.lock().driver.take());
+        if let Some(d) = driver {
+            py.detach(|| {
+                d.shutdown();
+            });
+        }
+    }
+}
