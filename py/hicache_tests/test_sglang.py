@@ -326,30 +326,205 @@ def test_same_calls_same_answers_as_sglangs_file_backend(tmp_path, seed, layout)
         kv.close()
 
 
-def test_where_kvtier_is_stricter_its_capacity_is_a_bound(tmp_path):
-    """HiCacheFile keeps every page it is given here; kvtier holds at most its primary plus
-    its file tier's capacity, evicting the rest, and never answers for a page it dropped."""
-    pool = mha_pool("page_first")
-    row = 4096  # one 1 KiB page per aligned row
-    tiers = [{"type": "file", "path": str(tmp_path / "t"), "capacity_bytes": 6 * row}]
-    kv = attach(pool, kvtier_extra(cpu_bytes_to_use=4 * row, secondary_tiers=tiers))
-    c = controller(kv, pool)
+# -- shared tiers ----------------------------------------------------------------------------
+
+
+def stored(pool, backend, keys: list[str], pages: list[int]) -> dict[str, bytes]:
+    """Fills ``pages`` with the contents of ``keys``, stores them through SGLang's zero-copy
+    set, and answers each key's bytes."""
+    want = {}
+    for p, k in zip(pages, keys):
+        fill(pool, p, k)
+        want[k] = page_bytes(pool, p)
+    c = controller(backend, pool)
+    assert HiCacheController._page_set_zero_copy(c, keys, indices(pages)) is True
+    return want
+
+
+def served(pool, backend, keys: list[str], want: dict[str, bytes], page: int = 15) -> list[bool]:
+    """Gets each key alone into ``page``; asserts that every page served has its bytes."""
+    out = []
+    for k in keys:
+        zero(pool, [page])
+        ok = backend.batch_get_v1([k], indices([page]))[0]
+        if ok:
+            assert page_bytes(pool, page) == want[k], f"wrong bytes served for {k}"
+        out.append(ok)
+    return out
+
+
+def test_two_nodes_share_pages_through_an_s3_tier(s3_server, monkeypatch):
+    endpoint, bucket, access, secret = s3_server
+    monkeypatch.setenv("KVTIER_SG_AK", access)
+    monkeypatch.setenv("KVTIER_SG_SK", secret)
+    tiers = [{"type": "s3", "endpoint": endpoint, "bucket": bucket, "region": "us-east-1",
+              "access_key_id_env": "KVTIER_SG_AK", "secret_access_key_env": "KVTIER_SG_SK",
+              "capacity_bytes": 1 << 24}]
+    a_pool, b_pool = mha_pool("page_first"), mha_pool("page_first")
+    a = attach(a_pool, kvtier_extra(secondary_tiers=tiers))
+    b = attach(b_pool, kvtier_extra(secondary_tiers=tiers))
     try:
-        keys = [key_of(i) for i in range(16)]
-        for i in range(0, 16, 2):
-            pages = [i % 8, i % 8 + 1]
-            for p, k in zip(pages, keys[i:i + 2]):
-                fill(pool, p, k)
-            assert HiCacheController._page_set_zero_copy(c, keys[i:i + 2], indices(pages))
+        keys = [key_of(i) for i in range(5)]
+        want = stored(a_pool, a, keys, [0, 1, 2, 3, 4])
+        assert a._native.drain(20.0)
+        # Node B never stored them: it finds them in the bucket, promotes and serves them.
+        assert b.batch_exists(keys) == 5
+        assert served(b_pool, b, keys, want) == [True] * 5
+        assert b.stats()["tiers"][0]["hits"] >= 5
+    finally:
+        a.close()
+        b.close()
+
+
+def test_mla_ranks_read_the_writer_ranks_pages_through_redis(redis_url):
+    """SGLang writes an MLA model's pages from one rank (``is_storage_writer``); the other
+    ranks of the TP group find them in the tier they share, under an identity without the
+    rank."""
+    tiers = [{"type": "redis", "urls": [redis_url], "capacity_bytes": 1 << 24}]
+    w_pool, r_pool = mla_pool("page_first"), mla_pool("page_first")
+    writer = attach(w_pool, kvtier_extra(secondary_tiers=tiers), mla=True, tp_rank=0, tp_size=2)
+    reader = attach(r_pool, kvtier_extra(secondary_tiers=tiers), mla=True, tp_rank=1, tp_size=2)
+    try:
+        assert writer._config.is_storage_writer and not reader._config.is_storage_writer
+        keys = [key_of(i) for i in range(4)]
+        want = stored(w_pool, writer, keys, [0, 1, 2, 3])
+        assert writer._native.drain(20.0)
+        assert reader.batch_exists(keys) == 4
+        assert served(r_pool, reader, keys, want) == [True] * 4
+    finally:
+        writer.close()
+        reader.close()
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+def test_a_corrupt_page_on_disk_is_never_served(tmp_path):
+    pool = mha_pool("page_first")
+    tiers = [{"type": "file", "path": str(tmp_path / "t"), "capacity_bytes": 1 << 20}]
+    extra = kvtier_extra(cpu_bytes_to_use=2 * 4096, secondary_tiers=tiers)
+    kv = attach(pool, extra)
+    keys = [key_of(i) for i in range(8)]
+    want = stored(pool, kv, keys, list(range(8)))
+    assert kv._native.drain(10.0)
+    kv.close()
+    # Flip one byte inside the stored bytes of every other page, found by their contents.
+    data = next((tmp_path / "t").glob("*/blocks.kvt"))
+    raw = bytearray(data.read_bytes())
+    corrupt = keys[1::2]
+    for k in corrupt:
+        at = raw.find(want[k][:256])
+        assert at > 0, "the page's bytes are in the file tier"
+        raw[at + 100] ^= 0x5A
+    data.write_bytes(bytes(raw))
+    kv = attach(mha_pool("page_first"), extra)
+    try:
+        pool = kv.mem_pool_host
+        assert kv.batch_exists(keys) == 1, "the leading run stops at the first corrupt page"
+        got = served(pool, kv, keys, want)
+        assert got == [k not in corrupt for k in keys]
+        assert kv.stats()["tiers"][0]["read_failures"] >= len(corrupt)
+        kv._native.check_invariants()
+    finally:
+        kv.close()
+
+
+def test_a_dead_redis_ends_every_call_in_bounded_time_and_serves_nothing_wrong(redis_server):
+    url, proc = redis_server
+    pool = mha_pool("page_first")
+    tiers = [{"type": "redis", "urls": [url], "capacity_bytes": 1 << 24, "timeout_ms": 300}]
+    kv = attach(pool, kvtier_extra(cpu_bytes_to_use=2 * 4096, secondary_tiers=tiers,
+                                   wait_timeout_s=1.0))
+    try:
+        keys = [key_of(i) for i in range(6)]
+        want = stored(pool, kv, keys, list(range(6)))
+        assert kv._native.drain(20.0)
+        proc.kill()
+        proc.wait()
+        start = time.monotonic()
+        n = kv.batch_exists(keys)
+        got = served(pool, kv, keys, want)
+        assert time.monotonic() - start < 15.0
+        # What the primary still holds is served right; what only Redis held is not served.
+        assert n <= sum(got)
+        assert sum(got) <= 2
+        # Pages stored now still land in the primary: the cascade's failure loses nothing
+        # that was served, and the calls go on.
+        more = [key_of(i) for i in range(10, 12)]
+        want.update(stored(pool, kv, more, [6, 7]))
+        assert served(pool, kv, more, want) == [True, True]
+        kv._native.check_invariants()
+    finally:
+        kv.close()
+
+
+def test_a_full_tier_evicts_and_never_answers_for_what_it_dropped(tmp_path):
+    """The file tier at its capacity evicts its least recent pages (HiCacheFile's evictor
+    does too, by its own accounting); kvtier's answers follow what it holds."""
+    pool = mha_pool("page_first")
+    tiers = [{"type": "file", "path": str(tmp_path / "t"), "capacity_bytes": 4 * 4096}]
+    kv = attach(pool, kvtier_extra(cpu_bytes_to_use=2 * 4096, secondary_tiers=tiers))
+    try:
+        keys = [key_of(i) for i in range(12)]
+        want = {}
+        for i in range(0, 12, 2):
+            want.update(stored(pool, kv, keys[i:i + 2], [0, 1]))
             assert kv._native.drain(10.0)
-        held = [k for k in keys if kv.batch_exists([k]) == 1]
-        assert 4 <= len(held) <= 10, held
-        assert held == keys[-len(held):], "the most recent pages are the ones kept"
-        for k in held:
-            fill(pool, 15, k)
-            want = page_bytes(pool, 15)
-            zero(pool, [15])
-            assert kv.batch_get_v1([k], indices([15])) == [True]
-            assert page_bytes(pool, 15) == want
+        got = served(pool, kv, keys, want)
+        assert 2 <= sum(got) <= 6
+        assert got[-1], "the last page stored is held"
+        kv._native.check_invariants()
+    finally:
+        kv.close()
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import test_sglang as t
+    pool = t.mha_pool("page_first")
+    extra = t.kvtier_extra(cpu_bytes_to_use=4 * 4096, secondary_tiers=[
+        {"type": "file", "path": sys.argv[2], "capacity_bytes": 1 << 22}])
+    kv = t.attach(pool, extra)
+    i = 0
+    while True:
+        keys = [t.key_of(i + j) for j in range(4)]
+        for p, k in enumerate(keys):
+            t.fill(pool, p, k)
+        ok = kv.batch_set_v1(keys, t.indices([0, 1, 2, 3]))
+        print("stored", i + 4 if all(ok) else i, flush=True)
+        i += 4
+""")
+
+
+def test_a_rank_killed_mid_set_leaves_only_whole_pages(tmp_path):
+    """A rank process storing pages in a loop is killed (SIGKILL) mid-set. A new one on the
+    same file tier serves only pages whose bytes are whole, and serves some."""
+    child = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", CHILD, str(Path(__file__).parent), str(tmp_path / "t")],
+        stdout=subprocess.PIPE, text=True)
+    stored_count = 0
+    try:
+        for line in child.stdout:
+            stored_count = int(line.split()[1])
+            if stored_count >= 200:
+                break
+        time.sleep(random.Random(7).uniform(0.0, 0.05))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert stored_count >= 200, "the child stored pages before it was killed"
+    kv = attach(mha_pool("page_first"), kvtier_extra(cpu_bytes_to_use=4 * 4096, secondary_tiers=[
+        {"type": "file", "path": str(tmp_path / "t"), "capacity_bytes": 1 << 22}]))
+    try:
+        pool = kv.mem_pool_host
+        keys = [key_of(i) for i in range(stored_count + 8)]
+        want = {}
+        for k in keys:
+            fill(pool, 14, k)
+            want[k] = page_bytes(pool, 14)
+        got = served(pool, kv, keys, want)
+        assert sum(got) >= 1, "pages cascaded before the kill are found again"
+        kv._native.check_invariants()
     finally:
         kv.close()

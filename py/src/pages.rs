@@ -22,6 +22,7 @@
 //! that waits for tier IO holds it only for short slices, so that another thread's calls (the
 //! backup thread's `set` beside the prefetch thread's `exists`) go on meanwhile.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -283,10 +284,17 @@ impl PageCache {
         }
     }
 
-    /// Stores `keys` (absent ones) from `pieces`: whether each is Ready afterwards.
+    /// Stores `keys` (absent ones) from `pieces`. Per key, whether it was Ready in the
+    /// primary at the start or its copy into the primary ended whole (P8) in this call.
     fn store(&self, req: RequestId, keys: &[Key], pieces: &Pieces) -> PyResult<Vec<bool>> {
+        let deadline = Instant::now() + self.wait_timeout;
+        let ready = |driver: &Driver, k: &Key| {
+            matches!(
+                driver.manager().primary().state_of(k),
+                Some((_, BlockState::Ready { .. }))
+            )
+        };
         // A block being promoted is Ready soon, or gone: wait for it first.
-        let settle_deadline = Instant::now() + self.wait_timeout;
         loop {
             let mut inner = self.lock();
             let driver = inner.driver()?;
@@ -296,78 +304,95 @@ impl PageCache {
                     Some((_, BlockState::Promoting | BlockState::Pending))
                 )
             });
-            if !moving || Instant::now() >= settle_deadline {
+            if !moving || Instant::now() >= deadline {
                 break;
             }
             driver.end_step();
             driver.wait_any(WAIT_SLICE);
         }
-        let mut inner = self.lock();
-        let driver = inner.driver()?;
-        let index: std::collections::HashMap<&Key, usize> =
-            keys.iter().enumerate().map(|(i, k)| (k, i)).collect();
-        let ready: Vec<Key> = keys
-            .iter()
-            .filter(|k| {
-                matches!(
-                    driver.manager().primary().state_of(k),
-                    Some((_, BlockState::Ready { .. }))
-                )
-            })
-            .cloned()
-            .collect();
-        driver.touch(&ready);
-        // All or nothing in one call (P5); when there is no room for all, one at a time.
-        let batches: Vec<Vec<Key>> = match driver.prepare_store(req, keys) {
-            Ok(p) => {
-                Self::fill(driver, req, &p.keys, &p.slots, pieces, &index);
-                Vec::new()
-            }
-            Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => {
-                keys.iter().map(|k| vec![k.clone()]).collect()
-            }
-            Err(e) => return Err(errors::hw(e)),
+        let index: HashMap<&Key, usize> = keys.iter().enumerate().map(|(i, k)| (k, i)).collect();
+        let mut done: Vec<bool> = {
+            let mut inner = self.lock();
+            let driver = inner.driver()?;
+            keys.iter().map(|k| ready(driver, k)).collect()
         };
-        for one in batches {
-            match driver.prepare_store(req, &one) {
-                Ok(p) => Self::fill(driver, req, &p.keys, &p.slots, pieces, &index),
-                Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => {}
+        let one_by_one = {
+            let mut inner = self.lock();
+            let driver = inner.driver()?;
+            let present: Vec<Key> = (keys.iter().zip(&done))
+                .filter(|(_, d)| **d)
+                .map(|(k, _)| k.clone())
+                .collect();
+            driver.touch(&present);
+            // All or nothing in one call (P5); when there is no room for all, one at a time.
+            match driver.prepare_store(req, keys) {
+                Ok(p) => {
+                    Self::fill(driver, req, &p.keys, &p.slots, pieces, &index, &mut done);
+                    false
+                }
+                Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => true,
                 Err(e) => return Err(errors::hw(e)),
             }
+        };
+        for (i, key) in keys.iter().enumerate() {
+            if !one_by_one || done[i] {
+                continue;
+            }
+            loop {
+                let mut inner = self.lock();
+                let driver = inner.driver()?;
+                match driver.prepare_store(req, std::slice::from_ref(key)) {
+                    Ok(p) if p.keys.is_empty() => done[i] = ready(driver, key),
+                    Ok(p) => Self::fill(driver, req, &p.keys, &p.slots, pieces, &index, &mut done),
+                    // The slots are pinned by IO in flight (cascades of the blocks just
+                    // stored): its end frees them. Tried again after it, within the deadline.
+                    Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. }))
+                        if driver.in_flight() > 0 && Instant::now() < deadline =>
+                    {
+                        driver.wait_any(WAIT_SLICE);
+                        continue;
+                    }
+                    Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => {}
+                    Err(e) => return Err(errors::hw(e)),
+                }
+                break;
+            }
         }
-        let stored: Vec<bool> = keys
-            .iter()
-            .map(|k| {
-                matches!(
-                    driver.manager().primary().state_of(k),
-                    Some((_, BlockState::Ready { .. }))
-                )
-            })
-            .collect();
+        // A key named twice is marked at its last place.
+        for (i, k) in keys.iter().enumerate() {
+            done[i] |= done[index[k]];
+        }
+        let mut inner = self.lock();
+        let driver = inner.driver()?;
         driver.request_finished(req);
         driver.end_step();
-        let ok = stored.iter().filter(|s| **s).count() as u64;
+        let ok = done.iter().filter(|s| **s).count() as u64;
         inner.tally.pages_written += ok;
         inner.tally.pages_not_written += keys.len() as u64 - ok;
-        Ok(stored)
+        Ok(done)
     }
 
     /// Copies the Pending `slots` of `keys` from their pages and completes the store: each
-    /// block's copy either ends whole (Ready) or its slot goes back (P8, P9).
+    /// block's copy either ends whole (Ready, marked in `done`) or its slot goes back (P8,
+    /// P9).
     fn fill(
         driver: &mut Driver,
         req: RequestId,
         keys: &[Key],
         slots: &[SlotId],
         pieces: &Pieces,
-        index: &std::collections::HashMap<&Key, usize>,
+        index: &HashMap<&Key, usize>,
+        done: &mut [bool],
     ) {
         let region = driver.region().clone();
         let mut good = Vec::with_capacity(keys.len());
         let mut bad = Vec::new();
         for (k, &slot) in keys.iter().zip(slots) {
             match copy_in(&region, slot, pieces, index[k]) {
-                Ok(()) => good.push(k.clone()),
+                Ok(()) => {
+                    done[index[k]] = true;
+                    good.push(k.clone());
+                }
                 Err(e) => {
                     tracing::warn!(key = %k, error = %e, "page copy into the primary failed");
                     bad.push(k.clone());
