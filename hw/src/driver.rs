@@ -68,6 +68,26 @@ pub struct ShutdownReport {
     pub abandoned: u64,
 }
 
+/// Waits for a [`Driver`]'s next completion without borrowing the driver (see
+/// [`Driver::waiter`]).
+#[derive(Clone)]
+pub struct Waiter(Completions);
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Waiter")
+    }
+}
+
+impl Waiter {
+    /// Waits up to `timeout` until a completion is queued for the driver (or the driver has
+    /// shut down): whether one is. It is applied by the driver's next
+    /// [`poll`](Driver::poll), [`end_step`](Driver::end_step) or other call.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        self.0.wait_for_item(timeout)
+    }
+}
+
 /// Owns a [`Manager`], the primary region, a transfer engine and the secondary tiers.
 pub struct Driver {
     manager: Manager,
@@ -233,6 +253,15 @@ impl Driver {
     /// The primary region.
     pub fn region(&self) -> &Arc<Region> {
         &self.region
+    }
+
+    /// A handle that waits for this driver's next completion without borrowing it: a caller
+    /// that keeps the driver behind a lock of its own waits with that lock released, then
+    /// applies what arrived. Existence probes held for the step's end go out only at
+    /// [`end_step`](Self::end_step) (or a [`wait_any`](Self::wait_any)): end the step before
+    /// waiting on them. An engine that must be polled (CUDA) is not polled while waiting.
+    pub fn waiter(&self) -> Waiter {
+        Waiter(self.done.clone())
     }
 
     /// IO counters and latencies so far.

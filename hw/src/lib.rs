@@ -39,7 +39,7 @@ mod cuda;
 pub mod bench;
 
 pub use affinity::{AffinityError, Cpus};
-pub use driver::{Driver, DriverOptions, ShutdownReport};
+pub use driver::{Driver, DriverOptions, ShutdownReport, Waiter};
 pub use engine::{
     BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, HostEngine,
     TransferEngine, TransferId,

@@ -97,6 +97,34 @@ impl<T> Queue<T> {
         }
     }
 
+    /// Waits up to `timeout` until an item is queued, without taking it: whether one is (or
+    /// the queue is closed). For a consumer that takes items under a lock of its own and
+    /// waits with that lock released.
+    pub fn wait_for_item(&self, timeout: std::time::Duration) -> bool {
+        let Some(deadline) = std::time::Instant::now().checked_add(timeout) else {
+            let mut s = lock(&self.state);
+            while s.urgent.is_empty() && s.items.is_empty() && !s.closed {
+                s = self.ready.wait(s).unwrap_or_else(|e| e.into_inner());
+            }
+            return true;
+        };
+        let mut s = lock(&self.state);
+        loop {
+            if !s.urgent.is_empty() || !s.items.is_empty() || s.closed {
+                return true;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            s = self
+                .ready
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     /// Moves every item now queued into `out`, without waiting. Returns how many.
     pub fn drain_into(&self, out: &mut Vec<T>) -> usize {
         let mut s = lock(&self.state);
@@ -172,5 +200,36 @@ impl<T> Countdown<T> {
         s.1.push(outcome);
         s.0 -= 1;
         (s.0 == 0).then(|| std::mem::take(&mut s.1))
+    }
+}
+
+#[cfg(all(test, not(feature = "loom")))]
+mod tests {
+    use super::Queue;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn wait_for_item_ends_at_its_timeout_and_takes_nothing() {
+        let q: Arc<Queue<u32>> = Arc::new(Queue::new());
+        let start = Instant::now();
+        assert!(!q.wait_for_item(Duration::from_millis(20)));
+        assert!(start.elapsed() >= Duration::from_millis(20));
+        let pusher = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(10));
+                q.push(7).unwrap();
+            })
+        };
+        assert!(q.wait_for_item(Duration::from_secs(10)));
+        pusher.join().unwrap();
+        // The item is still there for the consumer.
+        assert_eq!(q.pop_timeout(Duration::ZERO), Some(7));
+        q.close();
+        assert!(
+            q.wait_for_item(Duration::from_secs(10)),
+            "a closed queue ends the wait"
+        );
     }
 }

@@ -10,13 +10,13 @@ on PYTHONPATH (scripts/sglang-setup.sh). Elsewhere they are skipped loudly, exce
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,7 +54,7 @@ if SGLANG_ERROR is not None:  # pragma: no cover
     )
 
 import kvtier.sglang  # noqa: E402
-from kvtier import ConfigError  # noqa: E402
+from kvtier import ConfigError, StateError  # noqa: E402
 from kvtier.sglang import KvtierHiCacheStorage  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 4, 64
@@ -167,9 +167,6 @@ def test_sglang_loads_kvtier_through_dynamic_with_interface_v1():
     backend = attach(pool, kvtier_extra())
     try:
         assert isinstance(backend, KvtierHiCacheStorage)
-        # SGLang's controller picks its zero-copy page functions for this configuration.
-        extra = storage_config(kvtier_extra()).extra_config
-        assert bool(extra.get("interface_v1", 0))
         assert "tp=0/1" in backend.identity and "layout=page_first" in backend.identity
         assert "model=kvtier-test/tiny" in backend.identity
     finally:
@@ -526,5 +523,138 @@ def test_a_rank_killed_mid_set_leaves_only_whole_pages(tmp_path):
         got = served(pool, kv, keys, want)
         assert sum(got) >= 1, "pages cascaded before the kill are found again"
         kv._native.check_invariants()
+    finally:
+        kv.close()
+
+
+# -- the calls' edges ------------------------------------------------------------------------
+
+
+def test_a_call_whose_pieces_do_not_make_its_pages_is_refused_and_stores_nothing():
+    pool = mha_pool("page_first")
+    kv = attach(pool, kvtier_extra())
+    try:
+        native = kv._native
+        ptrs, sizes = pool.get_page_buffer_meta(indices([0]))
+        with pytest.raises(StateError, match="pieces"):
+            native.set([b"p:x"], [], [])
+        with pytest.raises(StateError, match="bytes"):
+            native.set([b"p:x"], ptrs, [sizes[0], sizes[1] - 1])
+        with pytest.raises(StateError, match="piece of"):
+            native.set([b"p:x"], ptrs, [sizes[0] + sizes[1], 0])
+        assert native.exists([b"p:x"]) == 0
+    finally:
+        kv.close()
+
+
+def test_a_key_named_twice_in_a_batch_is_stored_once_and_read_twice():
+    pool = mha_pool("page_first")
+    kv = attach(pool, kvtier_extra())
+    try:
+        k = key_of(3)
+        fill(pool, 0, k)
+        fill(pool, 1, k)
+        want = page_bytes(pool, 0)
+        assert kv.batch_set_v1([k, k], indices([0, 1])) == [True, True]
+        assert kv.stats()["primary_blocks"] == 1
+        zero(pool, [4, 5])
+        assert kv.batch_get_v1([k, k], indices([4, 5])) == [True, True]
+        assert page_bytes(pool, 4) == want and page_bytes(pool, 5) == want
+        assert kv.stats()["load_pins"] == 0
+    finally:
+        kv.close()
+
+
+def test_clear_forgets_the_primary_and_the_file_tier_gives_the_pages_back(tmp_path):
+    pool = mha_pool("page_first")
+    tiers = [{"type": "file", "path": str(tmp_path / "t"), "capacity_bytes": 1 << 20}]
+    kv = attach(pool, kvtier_extra(secondary_tiers=tiers))
+    try:
+        keys = [key_of(i) for i in range(4)]
+        want = stored(pool, kv, keys, [0, 1, 2, 3])
+        assert kv._native.drain(10.0)
+        assert kv.clear() is True
+        assert kv.stats()["primary_blocks"] == 0
+        assert kv.batch_exists(keys) == 4, "promoted back from the file tier"
+        assert served(pool, kv, keys, want) == [True] * 4
+    finally:
+        kv.close()
+
+
+def test_sglangs_threads_call_at_once_and_nothing_wrong_is_served(tmp_path):
+    """The backup thread stores, the prefetch thread asks and reads, the scheduler takes the
+    stats, all at once, with a primary smaller than the pages so that evictions, cascades and
+    promotions interleave. Every page served has its own bytes; no pin is left."""
+    tiers = [{"type": "file", "path": str(tmp_path / "t"), "capacity_bytes": 1 << 22}]
+    pool = mha_pool("page_first")
+    kv = attach(pool, kvtier_extra(cpu_bytes_to_use=6 * 4096, secondary_tiers=tiers))
+    want: dict[str, bytes] = {}
+    ref = mha_pool("page_first")
+    for i in range(24):
+        fill(ref, 15, key_of(i))
+        want[key_of(i)] = page_bytes(ref, 15)
+    stop = time.monotonic() + 3.0
+    errors: list[BaseException] = []
+    counts = {"stored": 0, "served": 0}
+
+    def backup():
+        rng = random.Random(1)
+        while time.monotonic() < stop:
+            first = rng.randrange(0, 22)
+            keys = [key_of(first), key_of(first + 1)]
+            for p, k in zip([0, 1], keys):
+                fill(pool, p, k)
+            counts["stored"] += sum(kv.batch_set_v1(keys, indices([0, 1])))
+
+    def prefetch():
+        rng = random.Random(2)
+        while time.monotonic() < stop:
+            first = rng.randrange(0, 20)
+            keys = [key_of(first + j) for j in range(4)]
+            n = kv.batch_exists(keys)
+            got = kv.batch_get_v1(keys[:n], indices([8, 9, 10, 11][:n])) if n else []
+            for j, ok in enumerate(got):
+                if ok:
+                    assert page_bytes(pool, 8 + j) == want[keys[j]], keys[j]
+                    counts["served"] += 1
+
+    def scheduler():
+        while time.monotonic() < stop:
+            kv.get_stats()
+            time.sleep(0.001)
+
+    def run(f):
+        try:
+            f()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in (backup, prefetch, scheduler)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert counts["stored"] > 0 and counts["served"] > 0, counts
+        assert kv._native.drain(10.0)
+        assert kv.stats()["load_pins"] == 0
+        kv._native.check_invariants()
+    finally:
+        kv.close()
+
+
+def test_get_stats_gives_sglang_its_storage_metrics():
+    pool = mha_pool("page_first")
+    kv = attach(pool, kvtier_extra())
+    try:
+        keys = [key_of(i) for i in range(3)]
+        stored(pool, kv, keys, [0, 1, 2])
+        assert kv.batch_get_v1(keys, indices([4, 5, 6])) == [True] * 3
+        m = kv.get_stats()
+        assert m.backup_pgs == [3] and m.prefetch_pgs == [3]
+        assert len(m.backup_bandwidth) == 1 and m.backup_bandwidth[0] > 0
+        assert m.kvtier["pages_written"] == 3 and m.kvtier["pages_read"] == 3
+        assert kv.get_stats().prefetch_pgs == [], "taken once"
     finally:
         kv.close()

@@ -9,18 +9,24 @@
 //! K/V in `layer_first`).
 //!
 //! What a call answers, under the core's rules:
-//! - `exists`: the length of the leading run of keys Ready in the primary. Keys held by a
-//!   secondary tier are promoted first and counted once their promotion has ended and the
-//!   block is Ready (a promotion that fails is never counted); the wait is bounded.
+//! - `exists`: the length of the leading run of keys Ready in the primary when it returns.
+//!   Keys held by a secondary tier are promoted first and counted once their promotion has
+//!   ended and the block is Ready (a promotion that fails is never counted); the wait is
+//!   bounded.
 //! - `get`: per key, whether its page was copied in full from a block that is Ready and
 //!   pinned by the load (P11–P13): Ready blocks were written whole by a store or checked by a
 //!   tier's read.
-//! - `set`: per key, whether its block is Ready in the primary when the call returns: stored
-//!   by this call (P4–P8) or already there. From there it cascades to the secondary tiers.
+//! - `set`: per key, whether its block was Ready in the primary at the start or its copy into
+//!   a Pending slot ended whole in this call (P4–P8). From there it cascades to the secondary
+//!   tiers; like any cached block it may be evicted later, even by the same call's later keys
+//!   when the batch is larger than the primary.
 //!
-//! Every call but the constructor releases the GIL. The driver sits behind one mutex; a call
-//! that waits for tier IO holds it only for short slices, so that another thread's calls (the
-//! backup thread's `set` beside the prefetch thread's `exists`) go on meanwhile.
+//! Every call but the constructor releases the GIL. The driver sits behind one mutex, held
+//! only to call the core: page copies run outside it (their slots are pinned, or Pending for
+//! the copying call), and a call that waits for tier IO waits with it released, on the
+//! driver's [`Waiter`]. So the calls of SGLang's threads (the backup thread's `set` beside
+//! the prefetch thread's `exists`, the scheduler's `stats`) never wait for each other's IO.
+//! `clear` resets the primary only while no copy is running and no block is pinned.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -30,16 +36,16 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use kvtier_core::{BlockState, Config, Error as CoreError, Key, Lookup, RequestId, SlotId};
-use kvtier_hw::{Driver, Layout, Region};
+use kvtier_hw::{Driver, HwError, Layout, Region, Waiter};
 
 use crate::errors;
 use crate::manager::{key_of, open_driver, parse_policy, tier_settings};
 
-/// How long one slice of a wait holds the driver's lock.
+/// The longest one wait for tier IO lasts before the caller looks again.
 const WAIT_SLICE: Duration = Duration::from_millis(2);
 
 /// Counters of the page calls since the start (the core's own are in `stats`).
-#[derive(Default)]
+#[derive(Clone, Copy, Default)]
 struct Tally {
     pages_found: u64,
     pages_read: u64,
@@ -52,6 +58,8 @@ struct Tally {
 struct Inner {
     driver: Option<Driver>,
     next_request: u64,
+    /// Calls copying pages with the lock released (their slots pinned or Pending).
+    copies: usize,
     tally: Tally,
 }
 
@@ -73,6 +81,8 @@ impl Inner {
 #[pyclass(module = "kvtier._native", frozen)]
 pub(crate) struct PageCache {
     inner: Mutex<Inner>,
+    /// Waits for the driver's next completion with the lock released.
+    waiter: Waiter,
     /// Bytes of one page (the sum of its pieces).
     page_bytes: usize,
     num_blocks: u32,
@@ -83,6 +93,13 @@ fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+fn is_ready(driver: &Driver, key: &Key) -> bool {
+    matches!(
+        driver.manager().primary().state_of(key),
+        Some((_, BlockState::Ready { .. }))
+    )
+}
+
 /// The pieces of each page: `addrs` and `sizes` in page order, `per_page` pieces a page.
 struct Pieces {
     addrs: Vec<usize>,
@@ -91,44 +108,58 @@ struct Pieces {
 }
 
 impl Pieces {
-    /// Checks the shape against `pages` pages of `page_bytes` each.
+    /// Checks the shape against `pages` pages of `page_bytes` each: as many pieces for each
+    /// page, none empty or null, each page's adding up to `page_bytes`.
     fn new(
         addrs: Vec<usize>,
         sizes: Vec<usize>,
         pages: usize,
         page_bytes: usize,
     ) -> PyResult<Self> {
+        let refuse = |why: String| Err(errors::StateError::new_err(why));
         if addrs.len() != sizes.len() {
-            return Err(errors::StateError::new_err(format!(
+            return refuse(format!(
                 "{} piece addresses for {} sizes",
                 addrs.len(),
                 sizes.len()
-            )));
+            ));
         }
-        if pages == 0 || addrs.is_empty() {
-            return Ok(Pieces {
-                addrs,
-                sizes,
-                per_page: 0,
-            });
+        if pages == 0 {
+            return if addrs.is_empty() {
+                Ok(Pieces {
+                    addrs,
+                    sizes,
+                    per_page: 0,
+                })
+            } else {
+                refuse(format!("{} pieces for no page", addrs.len()))
+            };
         }
-        if !addrs.len().is_multiple_of(pages) {
-            return Err(errors::StateError::new_err(format!(
+        if addrs.is_empty() || !addrs.len().is_multiple_of(pages) {
+            return refuse(format!(
                 "{} pieces do not split evenly over {pages} pages",
                 addrs.len()
-            )));
+            ));
         }
         let per_page = addrs.len() / pages;
         for (p, chunk) in sizes.chunks(per_page).enumerate() {
-            let total: usize = chunk.iter().sum();
+            let mut total = 0usize;
+            for &len in chunk {
+                if len == 0 || len > page_bytes {
+                    return refuse(format!(
+                        "page {p} has a piece of {len} bytes; a page here has {page_bytes}"
+                    ));
+                }
+                total = total.saturating_add(len);
+            }
             if total != page_bytes {
-                return Err(errors::StateError::new_err(format!(
+                return refuse(format!(
                     "page {p} has {total} bytes in its pieces; a page here has {page_bytes}"
-                )));
+                ));
             }
         }
         if addrs.contains(&0) {
-            return Err(errors::StateError::new_err("a piece's address is null"));
+            return refuse("a piece's address is null".into());
         }
         Ok(Pieces {
             addrs,
@@ -154,7 +185,8 @@ fn copy_in(region: &Region, slot: SlotId, pieces: &Pieces, page: usize) -> Resul
     for (addr, len) in pieces.of(page) {
         // SAFETY: `PageCache`'s callers pass addresses of their own host memory that are
         // valid for `len` bytes and not written while the call runs (SGLang's host pool
-        // pages, from its `get_page_buffer_meta`); null was refused in `Pieces::new`.
+        // pages, from its `get_page_buffer_meta`); null addresses and empty or oversized
+        // pieces were refused in `Pieces::new`, so `len` is at most a page.
         let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
         region
             .write_part(slot, 0, at, src)
@@ -170,8 +202,8 @@ fn copy_in(region: &Region, slot: SlotId, pieces: &Pieces, page: usize) -> Resul
 fn copy_out(region: &Region, slot: SlotId, pieces: &Pieces, page: usize) -> Result<(), String> {
     let mut at = 0;
     for (addr, len) in pieces.of(page) {
-        // SAFETY: as in `copy_in`; the caller's pages are its own, written by nobody else
-        // while the call runs (SGLang allocated them for this load).
+        // SAFETY: as in `copy_in`; the caller's pages are its own, read or written by nobody
+        // else while the call runs (SGLang allocated them for this load).
         let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
         region
             .read_part(slot, 0, at, dst)
@@ -186,14 +218,45 @@ impl PageCache {
         lock(&self.inner)
     }
 
-    /// Looks `keys` up for `req` until none of the first `limit` of them is on its way (a
-    /// promotion or probe in flight) or the deadline passes, ending a step between rounds so
-    /// that promotions go out. Answers each key's last answer (keys after the first Miss are
-    /// not looked up when `leading`, and stay Miss).
+    /// Ends a step (promotions and probes go out, results are applied), then waits with the
+    /// lock released for the next completion, at most one slice.
+    fn wait_for_io(&self, mut inner: MutexGuard<'_, Inner>) -> PyResult<()> {
+        inner.driver()?.end_step();
+        drop(inner);
+        self.waiter.wait(WAIT_SLICE);
+        Ok(())
+    }
+
+    /// Runs `copy` with the lock released, counted in `copies` (which `clear` waits out).
+    fn unlocked<'a, T>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+        copy: impl FnOnce() -> T,
+    ) -> (MutexGuard<'a, Inner>, T) {
+        inner.copies += 1;
+        drop(inner);
+        let out = copy();
+        let mut inner = self.lock();
+        inner.copies -= 1;
+        (inner, out)
+    }
+
+    /// The request's end (R6) and the call's step's end: the holds of its hits end with it.
+    fn finish(&self, req: RequestId) {
+        if let Ok(d) = self.lock().driver() {
+            d.request_finished(req);
+            d.end_step();
+        }
+    }
+
+    /// Looks `keys` up for `req` until none of them is on its way (a promotion or probe in
+    /// flight, or a promotion refused for want of a free slot while IO holds pins) or the
+    /// deadline passes, waiting for IO between rounds. Answers each key's last answer. With
+    /// `leading`, keys after the first Miss are not waited for, and answer Miss.
     ///
     /// With `pins`, each key is pinned for a load (P11) as soon as it answers Hit, its slot
-    /// kept in `pins`: a block found early cannot be evicted by the promotions of the keys
-    /// after it. The caller releases every pin it is given (P13).
+    /// kept in `pins`, and Ready keys are looked up first: a block found cannot be evicted by
+    /// the promotions of the keys after it. The caller releases every pin it is given (P13).
     fn resolve(
         &self,
         req: RequestId,
@@ -209,15 +272,7 @@ impl PageCache {
             let driver = inner.driver()?;
             let mut still = Vec::new();
             if pins.is_some() {
-                // Ready blocks are pinned before any lookup starts a promotion, which could
-                // evict them to make room.
-                let primary = driver.manager().primary();
-                open.sort_by_key(|&i| {
-                    !matches!(
-                        primary.state_of(&keys[i]),
-                        Some((_, BlockState::Ready { .. }))
-                    )
-                });
+                open.sort_by_key(|&i| !is_ready(driver, &keys[i]));
             }
             for &i in &open {
                 let refused = driver.manager().stats().promotions_refused;
@@ -277,34 +332,72 @@ impl PageCache {
                 }
                 return Ok(answers);
             }
-            let driver = inner.driver()?;
-            driver.end_step();
-            driver.wait_any(WAIT_SLICE);
-            drop(inner);
+            self.wait_for_io(inner)?;
             open = still;
         }
     }
 
-    fn finish(&self, req: RequestId) {
-        if let Ok(d) = self.lock().driver() {
-            d.request_finished(req);
-            // Each call is a step of its own: the holds of its hits end with it (★8).
-            d.end_step();
-        }
+    /// `exists` for `req`: the leading run of keys Ready when it returns.
+    fn found(&self, req: RequestId, keys: &[Key]) -> PyResult<usize> {
+        let answers = self.resolve(req, keys, true, None)?;
+        let mut inner = self.lock();
+        let driver = inner.driver()?;
+        // A promotion that ended in a later round may have evicted a block found earlier.
+        let n = (answers.iter().zip(keys))
+            .take_while(|(a, k)| **a == Lookup::Hit && is_ready(driver, k))
+            .count();
+        inner.tally.pages_found += n as u64;
+        Ok(n)
     }
 
-    /// Stores `keys` (absent ones) from `pieces`. Per key, whether it was Ready in the
-    /// primary at the start or its copy into the primary ended whole (P8) in this call.
+    /// `get` for `req`: per key, whether its page was copied whole from a pinned Ready block.
+    fn load(&self, req: RequestId, keys: &[Key], pieces: &Pieces) -> PyResult<Vec<bool>> {
+        let mut pins = vec![None; keys.len()];
+        let resolved = self.resolve(req, keys, false, Some(&mut pins));
+        let inner = self.lock();
+        let region = match &inner.driver {
+            Some(d) => d.region().clone(),
+            None => return resolved.map(|_| vec![false; keys.len()]),
+        };
+        // The pinned rows are not written or reused until their pins go (I3, I6).
+        let (mut inner, mut read) = self.unlocked(inner, || {
+            (0..keys.len())
+                .map(|i| match pins[i] {
+                    Some(slot) => match copy_out(&region, slot, pieces, i) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            tracing::warn!(key = %keys[i], error = %e, "page copy out of the primary failed");
+                            false
+                        }
+                    },
+                    // Seeded defect: a page reported read that was not copied.
+                    None => kvtier_core::mutant::active("sglang_report_unread"),
+                })
+                .collect::<Vec<bool>>()
+        });
+        if let Some(driver) = inner.driver.as_mut() {
+            for (i, key) in keys.iter().enumerate() {
+                if pins[i].is_some()
+                    && let Err(e) = driver.complete_load(std::slice::from_ref(key))
+                {
+                    tracing::error!(%key, error = %e, "a load pin could not be released");
+                    read[i] = false;
+                }
+            }
+        }
+        resolved?;
+        let ok = read.iter().filter(|r| **r).count() as u64;
+        inner.tally.pages_read += ok;
+        inner.tally.pages_not_read += keys.len() as u64 - ok;
+        Ok(read)
+    }
+
+    /// `set` for `req`: per key, whether it was Ready at the start or its copy into the
+    /// primary ended whole (P8).
     fn store(&self, req: RequestId, keys: &[Key], pieces: &Pieces) -> PyResult<Vec<bool>> {
         let deadline = Instant::now() + self.wait_timeout;
-        let ready = |driver: &Driver, k: &Key| {
-            matches!(
-                driver.manager().primary().state_of(k),
-                Some((_, BlockState::Ready { .. }))
-            )
-        };
         // A block being promoted is Ready soon, or gone: wait for it first.
-        loop {
+        let mut inner = loop {
             let mut inner = self.lock();
             let driver = inner.driver()?;
             let moving = keys.iter().any(|k| {
@@ -314,111 +407,107 @@ impl PageCache {
                 )
             });
             if !moving || Instant::now() >= deadline {
-                break;
+                break inner;
             }
-            driver.end_step();
-            driver.wait_any(WAIT_SLICE);
-        }
+            self.wait_for_io(inner)?;
+        };
         let index: HashMap<&Key, usize> = keys.iter().enumerate().map(|(i, k)| (k, i)).collect();
-        let mut done: Vec<bool> = {
-            let mut inner = self.lock();
+        let driver = inner.driver()?;
+        let mut done: Vec<bool> = keys.iter().map(|k| is_ready(driver, k)).collect();
+        let present: Vec<Key> = (keys.iter().zip(&done))
+            .filter(|(_, d)| **d)
+            .map(|(k, _)| k.clone())
+            .collect();
+        driver.touch(&present);
+        // All or nothing in one call (P5); when there is no room for all, one at a time.
+        let mut batches: Vec<Vec<Key>> = vec![keys.to_vec()];
+        let mut one_by_one = false;
+        while let Some(batch) = batches.pop() {
             let driver = inner.driver()?;
-            keys.iter().map(|k| ready(driver, k)).collect()
-        };
-        let one_by_one = {
-            let mut inner = self.lock();
-            let driver = inner.driver()?;
-            let present: Vec<Key> = (keys.iter().zip(&done))
-                .filter(|(_, d)| **d)
-                .map(|(k, _)| k.clone())
-                .collect();
-            driver.touch(&present);
-            // All or nothing in one call (P5); when there is no room for all, one at a time.
-            match driver.prepare_store(req, keys) {
-                Ok(p) => {
-                    Self::fill(driver, req, &p.keys, &p.slots, pieces, &index, &mut done);
-                    false
-                }
-                Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => true,
-                Err(e) => return Err(errors::hw(e)),
-            }
-        };
-        for (i, key) in keys.iter().enumerate() {
-            if !one_by_one || done[i] {
-                continue;
-            }
-            loop {
-                let mut inner = self.lock();
-                let driver = inner.driver()?;
-                match driver.prepare_store(req, std::slice::from_ref(key)) {
-                    Ok(p) if p.keys.is_empty() => done[i] = ready(driver, key),
-                    Ok(p) => Self::fill(driver, req, &p.keys, &p.slots, pieces, &index, &mut done),
-                    // The slots are pinned by IO in flight (cascades of the blocks just
-                    // stored): its end frees them. Tried again after it, within the deadline.
-                    Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. }))
-                        if driver.in_flight() > 0 && Instant::now() < deadline =>
-                    {
-                        driver.wait_any(WAIT_SLICE);
-                        continue;
+            match driver.prepare_store(req, &batch) {
+                Ok(p) if p.keys.is_empty() => {
+                    for k in &batch {
+                        done[index[k]] |= is_ready(driver, k);
                     }
-                    Err(kvtier_hw::HwError::Core(CoreError::NoRoom { .. })) => {}
-                    Err(e) => return Err(errors::hw(e)),
                 }
-                break;
+                Ok(p) => {
+                    let region = driver.region().clone();
+                    // Pending slots are written by this call alone until it completes them
+                    // (P4, I6).
+                    let (back, copied) = self.unlocked(inner, || {
+                        p.keys
+                            .iter()
+                            .zip(&p.slots)
+                            .map(|(k, &slot)| copy_in(&region, slot, pieces, index[k]))
+                            .collect::<Vec<_>>()
+                    });
+                    inner = back;
+                    let (good, bad): (Vec<_>, Vec<_>) = p
+                        .keys
+                        .iter()
+                        .cloned()
+                        .zip(copied)
+                        .partition(|(_, r)| r.is_ok());
+                    for (k, r) in &bad {
+                        if let Err(e) = r {
+                            tracing::warn!(key = %k, error = %e, "page copy into the primary failed");
+                        }
+                    }
+                    let good: Vec<Key> = good.into_iter().map(|(k, _)| k).collect();
+                    let bad: Vec<Key> = bad.into_iter().map(|(k, _)| k).collect();
+                    let driver = inner.driver()?;
+                    if !good.is_empty() {
+                        driver.complete_store(req, &good, true);
+                    }
+                    if !bad.is_empty() {
+                        driver.complete_store(req, &bad, false);
+                    }
+                    for k in &good {
+                        done[index[k]] = true;
+                    }
+                }
+                Err(HwError::Core(CoreError::NoRoom { .. })) if !one_by_one => {
+                    one_by_one = true;
+                    batches = keys
+                        .iter()
+                        .rev()
+                        .filter(|k| !done[index[k]])
+                        .map(|k| vec![k.clone()])
+                        .collect();
+                }
+                // The slots are pinned by IO in flight (the cascades of blocks just stored):
+                // its end frees them. Tried again after it, within the deadline.
+                Err(HwError::Core(CoreError::NoRoom { .. }))
+                    if driver.in_flight() > 0 && Instant::now() < deadline =>
+                {
+                    batches.push(batch);
+                    self.wait_for_io(inner)?;
+                    inner = self.lock();
+                }
+                Err(HwError::Core(CoreError::NoRoom { .. })) => {}
+                Err(e) => return Err(errors::hw(e)),
             }
         }
         // A key named twice is marked at its last place.
         for (i, k) in keys.iter().enumerate() {
             done[i] |= done[index[k]];
         }
-        let mut inner = self.lock();
-        let driver = inner.driver()?;
-        driver.request_finished(req);
-        driver.end_step();
         let ok = done.iter().filter(|s| **s).count() as u64;
         inner.tally.pages_written += ok;
         inner.tally.pages_not_written += keys.len() as u64 - ok;
         Ok(done)
     }
-
-    /// Copies the Pending `slots` of `keys` from their pages and completes the store: each
-    /// block's copy either ends whole (Ready, marked in `done`) or its slot goes back (P8,
-    /// P9).
-    fn fill(
-        driver: &mut Driver,
-        req: RequestId,
-        keys: &[Key],
-        slots: &[SlotId],
-        pieces: &Pieces,
-        index: &HashMap<&Key, usize>,
-        done: &mut [bool],
-    ) {
-        let region = driver.region().clone();
-        let mut good = Vec::with_capacity(keys.len());
-        let mut bad = Vec::new();
-        for (k, &slot) in keys.iter().zip(slots) {
-            match copy_in(&region, slot, pieces, index[k]) {
-                Ok(()) => {
-                    done[index[k]] = true;
-                    good.push(k.clone());
-                }
-                Err(e) => {
-                    tracing::warn!(key = %k, error = %e, "page copy into the primary failed");
-                    bad.push(k.clone());
-                }
-            }
-        }
-        if !good.is_empty() {
-            driver.complete_store(req, &good, true);
-        }
-        if !bad.is_empty() {
-            driver.complete_store(req, &bad, false);
-        }
-    }
 }
 
 fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
     keys.try_iter()?.map(|k| key_of(&k?)).collect()
+}
+
+/// What `stats` reads under the lock.
+struct Snapshot {
+    tally: Tally,
+    primary_blocks: usize,
+    core: kvtier_core::Stats,
 }
 
 #[pymethods]
@@ -480,12 +569,15 @@ impl PageCache {
             )
         };
         let driver = py.detach(build)?;
+        let waiter = driver.waiter();
         Ok(PageCache {
             inner: Mutex::new(Inner {
                 driver: Some(driver),
                 next_request: 0,
+                copies: 0,
                 tally: Tally::default(),
             }),
+            waiter,
             page_bytes,
             num_blocks,
             wait_timeout,
@@ -504,24 +596,28 @@ impl PageCache {
         self.num_blocks
     }
 
-    /// The length of the leading run of `keys` whose blocks are Ready in the primary, after
-    /// waiting (up to `wait_timeout_s`) for the promotions and probes their lookups start.
+    /// The length of the leading run of `keys` whose blocks are Ready in the primary when the
+    /// call returns, after waiting (up to `wait_timeout_s`) for the promotions and probes
+    /// their lookups start.
     fn exists(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = keys_of(keys)?;
-        py.detach(|| {
+        let n = py.detach(|| {
             let req = self.lock().request();
-            let answers = self.resolve(req, &keys, true, None);
+            let n = self.found(req, &keys);
             self.finish(req);
-            let n = answers?.iter().take_while(|a| **a == Lookup::Hit).count();
-            self.lock().tally.pages_found += n as u64;
-            Ok(n)
-        })
+            n
+        });
+        crate::log::flush(py)?;
+        n
     }
 
-    /// Copies the pages of `keys` into the caller's memory: page `i` is the `per_page`
-    /// pieces `addrs[i * per_page ..]` of `sizes` bytes (flattened, page by page). Per key,
-    /// whether its page was written in full from a Ready block. Blocks held by a secondary
-    /// tier are promoted first (bounded by `wait_timeout_s`).
+    /// Copies the pages of `keys` into the caller's memory: page `i` is the pieces
+    /// `addrs[i * per_page ..]` of `sizes` bytes (flattened, page by page, as many for each
+    /// page). Per key, whether its page was written in full from a Ready block. Blocks held
+    /// by a secondary tier are promoted first (bounded by `wait_timeout_s`).
+    ///
+    /// The addresses must be the caller's own memory, valid for their sizes and touched by
+    /// nobody else until the call returns.
     fn get(
         &self,
         py: Python<'_>,
@@ -531,43 +627,20 @@ impl PageCache {
     ) -> PyResult<Vec<bool>> {
         let keys = keys_of(keys)?;
         let pieces = Pieces::new(addrs, sizes, keys.len(), self.page_bytes)?;
-        py.detach(|| {
+        let read = py.detach(|| {
             let req = self.lock().request();
-            let mut pins = vec![None; keys.len()];
-            let resolved = self.resolve(req, &keys, false, Some(&mut pins));
-            let mut inner = self.lock();
-            let driver = inner.driver()?;
-            resolved?;
-            let region = driver.region().clone();
-            let mut read = vec![false; keys.len()];
-            for (i, key) in keys.iter().enumerate() {
-                let Some(slot) = pins[i] else {
-                    // Seeded defect: a page reported read that was not copied.
-                    read[i] = kvtier_core::mutant::active("sglang_report_unread");
-                    continue;
-                };
-                match copy_out(&region, slot, &pieces, i) {
-                    Ok(()) => read[i] = true,
-                    Err(e) => {
-                        tracing::warn!(%key, error = %e, "page copy out of the primary failed")
-                    }
-                }
-                driver
-                    .complete_load(std::slice::from_ref(key))
-                    .map_err(errors::hw)?;
-            }
-            driver.request_finished(req);
-            driver.end_step();
-            let ok = read.iter().filter(|r| **r).count() as u64;
-            inner.tally.pages_read += ok;
-            inner.tally.pages_not_read += keys.len() as u64 - ok;
-            Ok(read)
-        })
+            let read = self.load(req, &keys, &pieces);
+            self.finish(req);
+            read
+        });
+        crate::log::flush(py)?;
+        read
     }
 
-    /// Stores the pages of `keys` from the caller's memory (pieces as in `get`). Per key,
-    /// whether its block is Ready in the primary when the call returns (stored now or
-    /// before); from there it cascades to the secondary tiers.
+    /// Stores the pages of `keys` from the caller's memory (pieces as in `get`, under the
+    /// same contract). Per key, whether its block was Ready in the primary at the start or
+    /// its copy into the primary ended whole in this call; from there it cascades to the
+    /// secondary tiers.
     fn set(
         &self,
         py: Python<'_>,
@@ -577,18 +650,21 @@ impl PageCache {
     ) -> PyResult<Vec<bool>> {
         let keys = keys_of(keys)?;
         let pieces = Pieces::new(addrs, sizes, keys.len(), self.page_bytes)?;
-        py.detach(|| {
+        let stored = py.detach(|| {
             let req = self.lock().request();
-            self.store(req, &keys, &pieces)
-        })
+            let stored = self.store(req, &keys, &pieces);
+            self.finish(req);
+            stored
+        });
+        crate::log::flush(py)?;
+        stored
     }
 
     /// Ends a step of the core: results of finished tier IO are applied and queued
     /// promotions and probes go out (the calls above do it as they go; an idle caller may).
     fn end_step(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| {
-            let mut inner = self.lock();
-            inner.driver()?.end_step();
+            self.lock().driver()?.end_step();
             Ok(())
         })
     }
@@ -596,8 +672,8 @@ impl PageCache {
     /// Waits (up to `timeout_s`) until no tier IO is in flight: cascades and promotions
     /// started so far have ended. Whether nothing is left.
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
-        let deadline = Instant::now()
-            + Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        let deadline = Instant::now().checked_add(timeout);
         py.detach(|| {
             loop {
                 let mut inner = self.lock();
@@ -606,31 +682,59 @@ impl PageCache {
                 if !driver.has_pending_work() {
                     return Ok(true);
                 }
-                if Instant::now() >= deadline {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
                     return Ok(false);
                 }
-                driver.wait_any(WAIT_SLICE);
+                self.wait_for_io(inner)?;
             }
         })
     }
 
-    /// Forgets every page in the primary (M12, after up to `timeout_s` for tier IO in
-    /// flight). The secondary tiers keep theirs.
-    fn clear(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+    /// Forgets every page in the primary (M12) once no call is copying pages and no block
+    /// is pinned, and tier IO in flight has ended, waiting up to `timeout_s` for both. The
+    /// secondary tiers keep theirs. Whether the primary was reset (`False`: still busy at
+    /// the timeout, nothing changed).
+    fn clear(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        let deadline = Instant::now().checked_add(timeout);
         py.detach(|| {
-            let mut inner = self.lock();
-            let driver = inner.driver()?;
-            driver.reset_cache(timeout).map_err(errors::hw)?;
-            driver.reset_flushed();
-            Ok(())
+            loop {
+                let mut inner = self.lock();
+                let copies = inner.copies;
+                let driver = inner.driver()?;
+                let idle = copies == 0
+                    && driver.manager().stats().load_pins == 0
+                    && driver.in_flight() == 0;
+                if idle {
+                    // Nothing is in flight: the reset neither waits nor is refused as busy.
+                    driver.reset_cache(Duration::ZERO).map_err(errors::hw)?;
+                    // No copy runs (none can start while the lock is held): the slots the reset
+                    // freed are written by nobody, and promotions may resume (M14).
+                    driver.reset_flushed();
+                    return Ok(true);
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(false);
+                }
+                self.wait_for_io(inner)?;
+            }
         })
     }
 
     /// The page calls' counters and the core's: a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let mut inner = self.lock();
-        let t = &inner.tally;
+        let snap = py.detach(|| {
+            let mut inner = self.lock();
+            let tally = inner.tally;
+            let driver = inner.driver()?;
+            Ok::<_, PyErr>(Snapshot {
+                tally,
+                primary_blocks: driver.manager().primary().len(),
+                core: driver.manager().stats(),
+            })
+        })?;
+        crate::log::flush(py)?;
+        let t = &snap.tally;
         let d = PyDict::new(py);
         d.set_item("pages_found", t.pages_found)?;
         d.set_item("pages_read", t.pages_read)?;
@@ -638,12 +742,12 @@ impl PageCache {
         d.set_item("pages_written", t.pages_written)?;
         d.set_item("pages_not_written", t.pages_not_written)?;
         d.set_item("wait_timeouts", t.wait_timeouts)?;
-        let driver = inner.driver()?;
-        let s = driver.manager().stats();
-        d.set_item("primary_blocks", driver.manager().primary().len())?;
+        let s = &snap.core;
+        d.set_item("primary_blocks", snap.primary_blocks)?;
         d.set_item("lookups", s.lookups)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("promotions_started", s.promotions_started)?;
+        d.set_item("promotions_refused", s.promotions_refused)?;
         d.set_item("promotions_failed", s.promotions_failed)?;
         d.set_item("promotions_missing", s.promotions_missing)?;
         d.set_item("load_pins", s.load_pins)?;
@@ -664,13 +768,14 @@ impl PageCache {
     }
 
     /// Checks the core's invariants (a test's assertion); raises on a violation.
-    fn check_invariants(&self) -> PyResult<()> {
-        let mut inner = self.lock();
-        inner
-            .driver()?
-            .manager()
-            .check_invariants()
-            .map_err(|e| errors::StateError::new_err(e.to_string()))
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            self.lock()
+                .driver()?
+                .manager()
+                .check_invariants()
+                .map_err(|e| errors::StateError::new_err(e.to_string()))
+        })
     }
 
     /// Waits (up to the shutdown timeout) for tier IO in flight, stops the IO threads and
@@ -682,5 +787,6 @@ impl PageCache {
                 d.shutdown();
             });
         }
+        let _ = crate::log::flush(py);
     }
 }

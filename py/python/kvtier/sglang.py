@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -100,8 +99,17 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+def _replica() -> int | None:
+    """The data-parallel replica of this SGLang process (its DP controller's rank), or
+    ``None`` without one. SGLang's storage config gives only the attention-DP rank, which is
+    0 in every replica of plain data parallelism."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        replica = get_parallel().dp_rank
+    except Exception:  # an SGLang without it, or a process it did not set up
+        return None
+    return replica if isinstance(replica, int) else None
 
 
 class KvtierHiCacheStorage(HiCacheStorage):
@@ -160,6 +168,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 'them from a tier they share, so one tier must be "redis" or "s3"'
             )
         self._native: Any = None
+        #: What this rank's pages are stored under (model, pool, layout, dtype, page shape,
+        #: shard); set when the host pool is registered.
         self.identity = ""
         self._stats_lock = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
@@ -183,7 +193,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         page_size = int(pool.page_size)
         try:
             ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-        except (ValueError, AssertionError, NotImplementedError) as e:
+        except (ValueError, AssertionError, NotImplementedError, AttributeError) as e:
             raise ConfigError(
                 f"kvtier.sglang: host pool {name} with layout {layout!r} cannot describe its "
                 f"pages by address ({e}); use a layout it can, such as 'page_first'"
@@ -191,7 +201,6 @@ class KvtierHiCacheStorage(HiCacheStorage):
         page_bytes = sum(int(s) for s in sizes)
         if not ptrs or page_bytes <= 0:
             raise ConfigError(f"kvtier.sglang: host pool {name} (layout {layout!r}) has empty pages")
-        self._pieces = len(ptrs)
         row = -(-page_bytes // 4096) * 4096
         num_blocks = self._cpu_bytes // row
         if num_blocks == 0:
@@ -202,8 +211,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.identity = self._identity(pool, name, page_bytes, [int(s) for s in sizes])
         digest = hashlib.sha256(self.identity.encode()).hexdigest()[:16]
         c = self._config
-        # Each rank process owns its file tiers: a directory per deployment and rank.
+        # Each rank process owns its file tiers (a tier takes a lock): a directory per
+        # deployment, TP rank, attention-DP rank and data-parallel replica.
         rank_dir = f"sglang-{digest}-tp{c.tp_rank}-dp{getattr(c, 'dp_rank', 0)}"
+        replica = _replica()
+        if replica is not None:
+            rank_dir += f"-r{replica}"
         tiers = [
             {**t, "path": os.path.join(str(t["path"]), rank_dir)}
             if t.get("type") == "file" and t.get("path") is not None
@@ -346,10 +359,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # -- the rest -----------------------------------------------------------------------
 
     def clear(self) -> bool:
-        """Forgets every page in kvtier's primary; the secondary tiers keep theirs (a shared
-        tier's pages are other nodes' too)."""
-        self._live().clear(self._shutdown_timeout_s)
-        return True
+        """Forgets every page in kvtier's primary, once no get or set is copying and tier IO
+        has ended (waiting up to ``wait_timeout_s``); the secondary tiers keep theirs (a
+        shared tier's pages are other nodes' too). Whether the primary was cleared."""
+        return bool(self._live().clear(self._wait_timeout_s))
 
     def _record(self, kind: str, pages: int, page_bytes: int, seconds: float) -> None:
         with self._stats_lock:
