@@ -424,6 +424,23 @@ def test_a_corrupt_page_on_disk_is_never_served(tmp_path):
         kv._native.check_invariants()
     finally:
         kv.close()
+    # Where kvtier is stricter: SGLang's file backend, given the same pages and the same
+    # damage, counts the damaged page and serves its bytes.
+    hpool = mha_pool("page_first")
+    hf = HiCacheFile(storage_config({}), file_path=str(tmp_path / "hicache"))
+    hf.register_mem_pool_host(hpool)
+    for p, k in enumerate(keys):
+        fill(hpool, p, k)
+    assert HiCacheController._generic_page_set(controller(hf, hpool), keys, indices(list(range(8))))
+    for k in corrupt:
+        f = next((tmp_path / "hicache").glob(f"{k}*.bin"))
+        raw = bytearray(f.read_bytes())
+        raw[100] ^= 0x5A
+        f.write_bytes(bytes(raw))
+    assert hf.batch_exists(keys) == 8
+    zero(hpool, [15])
+    assert HiCacheController._generic_page_get(controller(hf, hpool), op(), [corrupt[0]], indices([15])) == 1
+    assert page_bytes(hpool, 15) != want[corrupt[0]], "HiCacheFile serves the damaged bytes"
 
 
 def test_a_dead_redis_ends_every_call_in_bounded_time_and_serves_nothing_wrong(redis_server):
@@ -473,6 +490,16 @@ def test_a_full_tier_evicts_and_never_answers_for_what_it_dropped(tmp_path):
         kv._native.check_invariants()
     finally:
         kv.close()
+    # Where kvtier is stricter: SGLang's file backend, with no cap set (its default), keeps
+    # every page it is given.
+    hpool = mha_pool("page_first")
+    hf = HiCacheFile(storage_config({}), file_path=str(tmp_path / "hicache"))
+    hf.register_mem_pool_host(hpool)
+    for i in range(0, 12, 2):
+        for p, k in zip([0, 1], keys[i:i + 2]):
+            fill(hpool, p, k)
+        assert HiCacheController._generic_page_set(controller(hf, hpool), keys[i:i + 2], indices([0, 1]))
+    assert hf.batch_exists(keys) == 12
 
 
 CHILD = textwrap.dedent("""
