@@ -507,6 +507,46 @@ pub(crate) fn open_driver(
     Driver::scheduler(config, Arc::new(region), stores, options).map_err(errors::hw)
 }
 
+/// The core's counters, and per tier its blocks, reads and health, as a dict (the `stats`
+/// of the Python classes, which add their own).
+pub(crate) fn core_stats<'py>(
+    py: Python<'py>,
+    s: &kvtier_core::Stats,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("lookups", s.lookups)?;
+    d.set_item("hits", s.hits)?;
+    d.set_item("hits_pending", s.hits_pending)?;
+    d.set_item("wait_timeouts", s.wait_timeouts)?;
+    d.set_item("misses", s.misses)?;
+    d.set_item("retries", s.retries)?;
+    d.set_item("evictions", s.evictions)?;
+    d.set_item("promotions_started", s.promotions_started)?;
+    d.set_item("promotions_refused", s.promotions_refused)?;
+    d.set_item("promotions_failed", s.promotions_failed)?;
+    d.set_item("promotions_missing", s.promotions_missing)?;
+    d.set_item("load_pins", s.load_pins)?;
+    d.set_item("job_pins", s.job_pins)?;
+    d.set_item("jobs_outstanding", s.jobs_outstanding)?;
+    d.set_item("step", s.step)?;
+    let tiers = PyList::empty(py);
+    for (health, t) in &s.tiers {
+        let td = PyDict::new(py);
+        td.set_item("blocks", t.blocks)?;
+        td.set_item("hits", t.hits)?;
+        td.set_item("blocks_cascaded", t.blocks_cascaded)?;
+        td.set_item("evictions", t.evictions)?;
+        td.set_item("jobs_failed", t.jobs_failed)?;
+        td.set_item("read_failures", t.read_failures)?;
+        td.set_item("read_missing", t.read_missing)?;
+        td.set_item("probes", t.probes)?;
+        td.set_item("health", format!("{health:?}"))?;
+        tiers.append(td)?;
+    }
+    d.set_item("tiers", tiers)?;
+    Ok(d)
+}
+
 /// The keys of an iterable of `bytes`, into `out`.
 pub(crate) fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<Key>) -> PyResult<()> {
     out.clear();
@@ -1174,39 +1214,8 @@ impl Manager {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let mut inner = self.lock(py);
         let driver = inner.driver()?;
-        let s = driver.manager().stats();
-        let d = PyDict::new(py);
-        d.set_item("lookups", s.lookups)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("hits_pending", s.hits_pending)?;
-        d.set_item("wait_timeouts", s.wait_timeouts)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item("retries", s.retries)?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("promotions_started", s.promotions_started)?;
-        d.set_item("promotions_refused", s.promotions_refused)?;
-        d.set_item("promotions_failed", s.promotions_failed)?;
-        d.set_item("promotions_missing", s.promotions_missing)?;
-        d.set_item("load_pins", s.load_pins)?;
-        d.set_item("job_pins", s.job_pins)?;
-        d.set_item("jobs_outstanding", s.jobs_outstanding)?;
-        d.set_item("step", s.step)?;
+        let d = core_stats(py, &driver.manager().stats())?;
         d.set_item("unsealed", inner.unsealed)?;
-        let tiers = PyList::empty(py);
-        for (health, t) in &s.tiers {
-            let td = PyDict::new(py);
-            td.set_item("blocks", t.blocks)?;
-            td.set_item("hits", t.hits)?;
-            td.set_item("blocks_cascaded", t.blocks_cascaded)?;
-            td.set_item("evictions", t.evictions)?;
-            td.set_item("jobs_failed", t.jobs_failed)?;
-            td.set_item("read_failures", t.read_failures)?;
-            td.set_item("read_missing", t.read_missing)?;
-            td.set_item("probes", t.probes)?;
-            td.set_item("health", format!("{health:?}"))?;
-            tiers.append(td)?;
-        }
-        d.set_item("tiers", tiers)?;
         Ok(d)
     }
 

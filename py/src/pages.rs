@@ -33,13 +33,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyDict;
 
 use kvtier_core::{BlockState, Config, Error as CoreError, Key, Lookup, RequestId, SlotId};
 use kvtier_hw::{Driver, HwError, Layout, Region, Waiter};
 
 use crate::errors;
-use crate::manager::{key_of, open_driver, parse_policy, tier_settings};
+use crate::manager::{core_stats, key_of, open_driver, parse_policy, tier_settings};
 
 /// The longest one wait for tier IO lasts before the caller looks again.
 const WAIT_SLICE: Duration = Duration::from_millis(2);
@@ -241,12 +241,49 @@ impl PageCache {
         (inner, out)
     }
 
-    /// The request's end (R6) and the call's step's end: the holds of its hits end with it.
-    fn finish(&self, req: RequestId) {
-        if let Ok(d) = self.lock().driver() {
-            d.request_finished(req);
-            d.end_step();
-        }
+    /// Runs one page call as a request of its own, with the GIL released: `body`, then the
+    /// request's end (R6) and the step's (the holds of its hits end with it), whatever
+    /// `body` answered; then kvtier's warnings go to Python's logging.
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        body: impl FnOnce(RequestId) -> PyResult<T> + Send,
+    ) -> PyResult<T> {
+        let out = py.detach(|| {
+            let req = self.lock().request();
+            let out = body(req);
+            if let Ok(d) = self.lock().driver() {
+                d.request_finished(req);
+                d.end_step();
+            }
+            out
+        });
+        crate::log::flush(py)?;
+        out
+    }
+
+    /// Waits up to `timeout_s` (released between rounds, as `wait_for_io`) until `done`
+    /// answers true under the lock: whether it did.
+    fn wait_until(
+        &self,
+        py: Python<'_>,
+        timeout_s: f64,
+        mut done: impl FnMut(&mut Inner) -> PyResult<bool> + Send,
+    ) -> PyResult<bool> {
+        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        let deadline = Instant::now().checked_add(timeout);
+        py.detach(|| {
+            loop {
+                let mut inner = self.lock();
+                if done(&mut inner)? {
+                    return Ok(true);
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(false);
+                }
+                self.wait_for_io(inner)?;
+            }
+        })
     }
 
     /// Looks `keys` up for `req` until none of them is on its way (a promotion or probe in
@@ -274,13 +311,16 @@ impl PageCache {
             if pins.is_some() {
                 open.sort_by_key(|&i| !is_ready(driver, &keys[i]));
             }
+            // Only a lookup answered Miss can have had its promotion refused: the counter is
+            // read again after those alone.
+            let mut refused = driver.manager().stats().promotions_refused;
             for &i in &open {
-                let refused = driver.manager().stats().promotions_refused;
                 let mut a = driver.lookup(req, &keys[i]);
-                if a == Lookup::Miss
-                    && driver.manager().stats().promotions_refused > refused
-                    && driver.in_flight() > 0
-                {
+                let was_refused = a == Lookup::Miss && {
+                    let now = driver.manager().stats().promotions_refused;
+                    std::mem::replace(&mut refused, now) < now
+                };
+                if was_refused && driver.in_flight() > 0 {
                     // Found below, but no slot is free now: IO in flight holds pins that
                     // its end lets go. Asked again after it, within the deadline.
                     answers[i] = Lookup::Retry;
@@ -601,14 +641,7 @@ impl PageCache {
     /// their lookups start.
     fn exists(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = keys_of(keys)?;
-        let n = py.detach(|| {
-            let req = self.lock().request();
-            let n = self.found(req, &keys);
-            self.finish(req);
-            n
-        });
-        crate::log::flush(py)?;
-        n
+        self.call(py, |req| self.found(req, &keys))
     }
 
     /// Copies the pages of `keys` into the caller's memory: page `i` is the pieces
@@ -627,14 +660,7 @@ impl PageCache {
     ) -> PyResult<Vec<bool>> {
         let keys = keys_of(keys)?;
         let pieces = Pieces::new(addrs, sizes, keys.len(), self.page_bytes)?;
-        let read = py.detach(|| {
-            let req = self.lock().request();
-            let read = self.load(req, &keys, &pieces);
-            self.finish(req);
-            read
-        });
-        crate::log::flush(py)?;
-        read
+        self.call(py, |req| self.load(req, &keys, &pieces))
     }
 
     /// Stores the pages of `keys` from the caller's memory (pieces as in `get`, under the
@@ -650,14 +676,7 @@ impl PageCache {
     ) -> PyResult<Vec<bool>> {
         let keys = keys_of(keys)?;
         let pieces = Pieces::new(addrs, sizes, keys.len(), self.page_bytes)?;
-        let stored = py.detach(|| {
-            let req = self.lock().request();
-            let stored = self.store(req, &keys, &pieces);
-            self.finish(req);
-            stored
-        });
-        crate::log::flush(py)?;
-        stored
+        self.call(py, |req| self.store(req, &keys, &pieces))
     }
 
     /// Ends a step of the core: results of finished tier IO are applied and queued
@@ -672,21 +691,10 @@ impl PageCache {
     /// Waits (up to `timeout_s`) until no tier IO is in flight: cascades and promotions
     /// started so far have ended. Whether nothing is left.
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
-        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
-        let deadline = Instant::now().checked_add(timeout);
-        py.detach(|| {
-            loop {
-                let mut inner = self.lock();
-                let driver = inner.driver()?;
-                driver.end_step();
-                if !driver.has_pending_work() {
-                    return Ok(true);
-                }
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Ok(false);
-                }
-                self.wait_for_io(inner)?;
-            }
+        self.wait_until(py, timeout_s, |inner| {
+            let driver = inner.driver()?;
+            driver.end_step();
+            Ok(!driver.has_pending_work())
         })
     }
 
@@ -695,29 +703,19 @@ impl PageCache {
     /// secondary tiers keep theirs. Whether the primary was reset (`False`: still busy at
     /// the timeout, nothing changed).
     fn clear(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
-        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
-        let deadline = Instant::now().checked_add(timeout);
-        py.detach(|| {
-            loop {
-                let mut inner = self.lock();
-                let copies = inner.copies;
-                let driver = inner.driver()?;
-                let idle = copies == 0
-                    && driver.manager().stats().load_pins == 0
-                    && driver.in_flight() == 0;
-                if idle {
-                    // Nothing is in flight: the reset neither waits nor is refused as busy.
-                    driver.reset_cache(Duration::ZERO).map_err(errors::hw)?;
-                    // No copy runs (none can start while the lock is held): the slots the reset
-                    // freed are written by nobody, and promotions may resume (M14).
-                    driver.reset_flushed();
-                    return Ok(true);
-                }
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Ok(false);
-                }
-                self.wait_for_io(inner)?;
+        self.wait_until(py, timeout_s, |inner| {
+            let copies = inner.copies;
+            let driver = inner.driver()?;
+            let idle =
+                copies == 0 && driver.manager().stats().load_pins == 0 && driver.in_flight() == 0;
+            if idle {
+                // Nothing is in flight: the reset neither waits nor is refused as busy.
+                driver.reset_cache(Duration::ZERO).map_err(errors::hw)?;
+                // No copy runs (none can start while the lock is held): the slots the reset
+                // freed are written by nobody, and promotions may resume (M14).
+                driver.reset_flushed();
             }
+            Ok(idle)
         })
     }
 
@@ -734,36 +732,16 @@ impl PageCache {
             })
         })?;
         crate::log::flush(py)?;
+        let d = core_stats(py, &snap.core)?;
         let t = &snap.tally;
-        let d = PyDict::new(py);
         d.set_item("pages_found", t.pages_found)?;
         d.set_item("pages_read", t.pages_read)?;
         d.set_item("pages_not_read", t.pages_not_read)?;
         d.set_item("pages_written", t.pages_written)?;
         d.set_item("pages_not_written", t.pages_not_written)?;
-        d.set_item("wait_timeouts", t.wait_timeouts)?;
-        let s = &snap.core;
+        // The page calls' deadlines, beside the core's (requests' waits, W3).
+        d.set_item("page_wait_timeouts", t.wait_timeouts)?;
         d.set_item("primary_blocks", snap.primary_blocks)?;
-        d.set_item("lookups", s.lookups)?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("promotions_started", s.promotions_started)?;
-        d.set_item("promotions_refused", s.promotions_refused)?;
-        d.set_item("promotions_failed", s.promotions_failed)?;
-        d.set_item("promotions_missing", s.promotions_missing)?;
-        d.set_item("load_pins", s.load_pins)?;
-        d.set_item("jobs_outstanding", s.jobs_outstanding)?;
-        let tiers = PyList::empty(py);
-        for (health, ts) in &s.tiers {
-            let td = PyDict::new(py);
-            td.set_item("blocks", ts.blocks)?;
-            td.set_item("hits", ts.hits)?;
-            td.set_item("blocks_cascaded", ts.blocks_cascaded)?;
-            td.set_item("jobs_failed", ts.jobs_failed)?;
-            td.set_item("read_failures", ts.read_failures)?;
-            td.set_item("health", format!("{health:?}"))?;
-            tiers.append(td)?;
-        }
-        d.set_item("tiers", tiers)?;
         Ok(d)
     }
 

@@ -298,25 +298,23 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Copies each key's page into the host pool at ``host_indices``; per key, whether its
         page was written in full."""
-        native = self._live()
-        if not keys:
-            return []
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        start = time.perf_counter()
-        out = native.get([_PAGE + k.encode() for k in keys], ptrs, sizes)
-        self._record("prefetch", sum(out), native.page_bytes, time.perf_counter() - start)
-        return out
+        return self._move("prefetch", "get", keys, host_indices)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Stores each key's page from the host pool at ``host_indices``; per key, whether
-        kvtier holds it when the call returns."""
+        kvtier held it already or its copy into kvtier's primary ended whole."""
+        return self._move("backup", "set", keys, host_indices)
+
+    def _move(self, kind: str, call: str, keys: list[str], host_indices: Any) -> list[bool]:
+        """The native ``get`` or ``set`` of ``keys`` over the host pool's pieces at
+        ``host_indices``, timed into the ``kind`` metrics."""
         native = self._live()
         if not keys:
             return []
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         start = time.perf_counter()
-        out = native.set([_PAGE + k.encode() for k in keys], ptrs, sizes)
-        self._record("backup", sum(out), native.page_bytes, time.perf_counter() - start)
+        out = getattr(native, call)([_PAGE + k.encode() for k in keys], ptrs, sizes)
+        self._record(kind, sum(out), native.page_bytes, time.perf_counter() - start)
         return out
 
     # -- the legacy calls: SGLang's flat pages, under keys of their own -----------------
