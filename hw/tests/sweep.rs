@@ -95,3 +95,51 @@ fn a_bad_capacity_or_several_nodes_are_refused() {
         assert!(err.contains(message), "{args:?}: {err}");
     }
 }
+
+/// A trace is replayed as vLLM caches it, whole blocks alone: a line's partial last block is
+/// neither looked up nor stored, and a line with no whole block is not replayed;
+/// `--partial-blocks` replays them too.
+#[test]
+fn a_trace_is_replayed_in_whole_blocks_unless_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.jsonl");
+    // Two turns of one conversation, each ending inside a block (ids 2 and 4 are partial),
+    // and a line shorter than one block.
+    let lines = [
+        (1000, "1, 2"),
+        (1600, "1, 3, 4"),
+        (100, "5"),
+    ]
+    .map(|(tokens, ids)| {
+        format!(
+            "{{\"timestamp\": 0, \"input_length\": {tokens}, \"output_length\": 1, \"hash_ids\": [{ids}]}}\n"
+        )
+    });
+    std::fs::write(&trace, lines.concat()).unwrap();
+    let sweep = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(["bench", "--trace", trace.to_str().unwrap()])
+            .args(["--policy", "lru", "--fraction", "0.5", "--json"])
+            .args(extra)
+            .output()
+            .expect("the kvtier binary runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("JSON")
+    };
+    let whole = sweep(&[]);
+    assert_eq!(whole["requests"], 2, "{whole}");
+    assert_eq!(whole["blocks"], 3, "blocks 1; 1 and 3: {whole}");
+    assert_eq!(whole["distinct"], 2, "{whole}");
+    assert_eq!(
+        whole["rows"][0]["cells"][0]["hits"], 1,
+        "block 1 again: {whole}"
+    );
+    let partial = sweep(&["--partial-blocks"]);
+    assert_eq!(partial["requests"], 3, "{partial}");
+    assert_eq!(partial["blocks"], 6, "{partial}");
+    assert_eq!(partial["distinct"], 5, "{partial}");
+}

@@ -30,6 +30,21 @@ impl Request {
             partial_last: false,
         }
     }
+
+    /// The request as vLLM caches it: its whole blocks alone. vLLM neither stores nor looks
+    /// up a block the prompt ends inside, so a trace line's partial last block is dropped
+    /// (its id names the block only up to the prompt's end: the next turn's prompt goes on
+    /// inside it, under another id). The conversation's next turn finds this request's last
+    /// block all the same ([`Conversations`](super::Conversations) keys it by its whole
+    /// blocks).
+    #[must_use]
+    pub fn whole_blocks(mut self) -> Self {
+        if self.partial_last {
+            self.blocks.pop();
+            self.partial_last = false;
+        }
+        self
+    }
 }
 
 /// Tokens per block in the trace format (Mooncake's 512).
@@ -286,6 +301,23 @@ impl Synthetic {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// vLLM caches whole blocks alone: a line's partial last block is dropped, a whole one
+    /// kept.
+    #[test]
+    fn whole_blocks_drop_a_partial_last_block_only() {
+        let text = "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 1, \"hash_ids\": [1, 2]}\n{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [1, 3]}\n{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 1, \"hash_ids\": [4]}\n";
+        let whole: Vec<Vec<u64>> = parse_trace(text.as_bytes(), Path::new("t.jsonl"))
+            .unwrap()
+            .into_iter()
+            .map(|r| {
+                let r = r.whole_blocks();
+                assert!(!r.partial_last);
+                r.blocks
+            })
+            .collect();
+        assert_eq!(whole, [vec![1], vec![1, 3], vec![]]);
+    }
 
     #[test]
     fn a_malformed_line_names_its_number() {

@@ -84,6 +84,11 @@ struct BenchArgs {
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
     requests: Option<usize>,
+    /// Replay each trace line's partial last block too, as if it were cached. By default a
+    /// trace is replayed as vLLM caches it, whole blocks alone: a line whose prompt ends
+    /// inside a block loses that block, and a line with no whole block is not replayed.
+    #[arg(long)]
+    partial_blocks: bool,
     /// Replay the workload across N kvtier processes (nodes) that share the configuration's
     /// Redis tier: each replays the requests of its conversations (dealt round-robin) through
     /// its own region and file tiers. The report shows each node's hits, the totals, and the
@@ -114,6 +119,7 @@ impl BenchArgs {
             tier_fraction: _,
             tier_policy: _,
             requests,
+            partial_blocks,
             nodes,
             node: _,
             json: _,
@@ -145,6 +151,9 @@ impl BenchArgs {
         }
         if let Some(n) = requests {
             c.arg("--requests").arg(n.to_string());
+        }
+        if *partial_blocks {
+            c.arg("--partial-blocks");
         }
         c.arg("--nodes").arg(nodes.to_string());
         c.arg("--node").arg(node.to_string());
@@ -249,9 +258,18 @@ fn workload(args: &BenchArgs, node: Option<u32>) -> Result<Vec<Request>, BenchEr
                 ..TraceLimits::default()
             };
             let mut conversations = bench::Conversations::default();
-            bench::read_trace_keeping(t, limits, |r| match node {
+            let requests = bench::read_trace_keeping(t, limits, |r| match node {
                 Some(node) => conversations.is_nodes(r, node, args.nodes),
                 None => true,
+            })?;
+            Ok(if args.partial_blocks {
+                requests
+            } else {
+                requests
+                    .into_iter()
+                    .map(Request::whole_blocks)
+                    .filter(|r| !r.blocks.is_empty())
+                    .collect()
             })
         }
         None => {
