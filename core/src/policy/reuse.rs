@@ -1,9 +1,11 @@
 //! Reuse-aware LRU (rules U1–U9): recency, with a head start for blocks that came back.
 //!
 //! Multi-turn traffic sorts blocks into kinds, which LRU treats alike:
-//! - a request's last block that no request had before: nearly always partial (the prompt
-//!   rarely ends on a block boundary), and a partial block's hash changes with the next turn,
-//!   so it is almost never read again;
+//! - a request's last block that no request had before: in a trace replayed with its
+//!   partial blocks nearly always partial (the prompt rarely ends on a block boundary), and a
+//!   partial block's hash changes with the next turn, so it is almost never read again (vLLM
+//!   caches whole blocks only: there the last stored block is whole, the next turn reads it,
+//!   and evicting it first costs hits; docs/performance.md measures how many);
 //! - a block seen for the first time: some return (a conversation continues), many do not,
 //!   and how many depends on the request: on Mooncake's conversation trace the new blocks of
 //!   requests of 64 blocks or more (long documents) return least. New blocks are classed by

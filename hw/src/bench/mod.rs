@@ -26,8 +26,8 @@ pub use settings::{
 pub use sweep::{SweepCell, SweepReport, SweepRow, SweepTier, sweep};
 pub use temp::{TEMP_TIER_PREFIX, sweep_temporary_tiers};
 pub use workload::{
-    Request, Synthetic, TraceLimits, parse_trace, parse_trace_keeping, parse_trace_with,
-    read_trace, read_trace_keeping, read_trace_with,
+    Request, Synthetic, TraceLimits, parse_trace, parse_trace_keeping, parse_trace_replayed,
+    parse_trace_with, read_trace, read_trace_keeping, read_trace_replayed, read_trace_with,
 };
 
 /// An error of the bench: bad input, or the hardware layer failing.

@@ -816,6 +816,10 @@ mod tests {
         // Some requests end with a partial block (their input is not whole blocks).
         for (i, r) in requests.iter_mut().enumerate() {
             r.partial_last = i % 3 == 0;
+            // Every 21st request a single partial block: no whole block at all.
+            if i % 21 == 0 {
+                r.blocks.truncate(1);
+            }
         }
         let text: String = requests
             .iter()
@@ -828,6 +832,45 @@ mod tests {
             })
             .collect();
         let path = std::path::Path::new("t");
+        // As a run replays the trace: whole blocks, or `--partial-blocks`. A node deals the
+        // requests the parent replays, in whole blocks too: lines with no whole block (the
+        // single-block requests with a partial block) take no conversation.
+        for partial in [false, true] {
+            for (limit, nodes) in [(usize::MAX, 3), (400, 3), (usize::MAX, 1)] {
+                let limits = crate::bench::TraceLimits {
+                    max_requests: limit,
+                    ..crate::bench::TraceLimits::default()
+                };
+                let all = crate::bench::parse_trace_replayed(
+                    text.as_bytes(),
+                    path,
+                    limits,
+                    partial,
+                    None,
+                )
+                .unwrap();
+                let dropped = requests[..requests.len().min(limit)]
+                    .iter()
+                    .filter(|r| r.blocks.len() == 1 && r.partial_last)
+                    .count();
+                assert!(partial || dropped > 0, "some lines have no whole block");
+                assert_eq!(
+                    all.len() + if partial { 0 } else { dropped },
+                    requests.len().min(limit)
+                );
+                for node in 0..nodes {
+                    let share = crate::bench::parse_trace_replayed(
+                        text.as_bytes(),
+                        path,
+                        limits,
+                        partial,
+                        Some((node, nodes)),
+                    )
+                    .unwrap();
+                    assert_eq!(share, node_share(&all, node, nodes), "node {node}");
+                }
+            }
+        }
         for (limit, nodes) in [(usize::MAX, 3), (400, 3), (usize::MAX, 1)] {
             let limits = crate::bench::TraceLimits {
                 max_requests: limit,

@@ -86,6 +86,8 @@ impl Default for TraceLimits {
 /// Reads a Mooncake-format JSONL trace (`timestamp`, `input_length`, `output_length`,
 /// `hash_ids`; one hash id per block; other fields are ignored). Blank lines are skipped; a
 /// malformed or overlong line is an error naming its number.
+/// Every line's blocks are kept as the trace gives them, a partial last one too
+/// ([`read_trace_replayed`] replays them as vLLM caches them).
 pub fn read_trace(path: &Path) -> Result<Vec<Request>, BenchError> {
     read_trace_with(path, TraceLimits::default())
 }
@@ -102,12 +104,52 @@ pub fn read_trace_keeping(
     limits: TraceLimits,
     keep: impl FnMut(&Request) -> bool,
 ) -> Result<Vec<Request>, BenchError> {
+    parse_trace_keeping(open_trace(path)?, path, limits, keep)
+}
+
+/// The requests of a trace that a run replays. Unless `partial`, each as vLLM caches it
+/// ([`Request::whole_blocks`]), a line with no whole block dropped; with `node = Some((n,
+/// nodes))`, node `n`'s share alone, dealt by conversation over the requests replayed (as
+/// [`node_share`](super::node_share) deals them): a dropped line takes no conversation.
+pub fn read_trace_replayed(
+    path: &Path,
+    limits: TraceLimits,
+    partial: bool,
+    node: Option<(u32, u32)>,
+) -> Result<Vec<Request>, BenchError> {
+    parse_trace_replayed(open_trace(path)?, path, limits, partial, node)
+}
+
+/// [`read_trace_replayed`] from `reader` (`path` names it in errors).
+pub fn parse_trace_replayed(
+    reader: impl BufRead,
+    path: &Path,
+    limits: TraceLimits,
+    partial: bool,
+    node: Option<(u32, u32)>,
+) -> Result<Vec<Request>, BenchError> {
+    let mut conversations = super::Conversations::default();
+    let replayed = |r: &Request| (!partial).then(|| r.clone().whole_blocks());
+    let requests = parse_trace_keeping(reader, path, limits, |r| {
+        let whole = replayed(r);
+        let r = whole.as_ref().unwrap_or(r);
+        !r.blocks.is_empty() && node.is_none_or(|(n, nodes)| conversations.is_nodes(r, n, nodes))
+    })?;
+    Ok(if partial {
+        requests
+    } else {
+        requests.into_iter().map(Request::whole_blocks).collect()
+    })
+}
+
+/// The trace at `path`, opened for reading.
+fn open_trace(path: &Path) -> Result<std::io::BufReader<std::fs::File>, BenchError> {
     let file = std::fs::File::open(path).map_err(|e| BenchError::Io {
         what: "open trace",
         path: path.to_path_buf(),
         source: e,
     })?;
-    parse_trace_keeping(std::io::BufReader::new(file), path, limits, keep)
+    Ok(std::io::BufReader::new(file))
 }
 
 /// Parses trace lines from `reader` (`path` names it in errors).

@@ -37,7 +37,7 @@ enum Command {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// A Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids;
-    /// other fields are ignored).
+    /// other fields are ignored), replayed in whole blocks as vLLM caches it.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// A TOML or JSON configuration (cpu_bytes_to_use, block_size, bytes_per_token,
@@ -257,20 +257,8 @@ fn workload(args: &BenchArgs, node: Option<u32>) -> Result<Vec<Request>, BenchEr
                 max_memory_bytes: budget,
                 ..TraceLimits::default()
             };
-            let mut conversations = bench::Conversations::default();
-            let requests = bench::read_trace_keeping(t, limits, |r| match node {
-                Some(node) => conversations.is_nodes(r, node, args.nodes),
-                None => true,
-            })?;
-            Ok(if args.partial_blocks {
-                requests
-            } else {
-                requests
-                    .into_iter()
-                    .map(Request::whole_blocks)
-                    .filter(|r| !r.blocks.is_empty())
-                    .collect()
-            })
+            let node = node.map(|n| (n, args.nodes));
+            bench::read_trace_replayed(t, limits, args.partial_blocks, node)
         }
         None => {
             let mut s = Synthetic::default();
