@@ -76,7 +76,7 @@ impl Conversations {
             self.next += 1;
             self.next - 1
         });
-        let kept = r.blocks.len() - usize::from(r.partial_last && !r.blocks.is_empty());
+        let kept = r.whole_len();
         if kept > 0 {
             self.ends.insert((kept - 1, r.blocks[kept - 1]), c);
         }
@@ -832,11 +832,13 @@ mod tests {
             })
             .collect();
         let path = std::path::Path::new("t");
+        // Whole traces and their first 400 requests, over three nodes and one.
+        let cases = [(usize::MAX, 3), (400, 3), (usize::MAX, 1)];
         // As a run replays the trace: whole blocks, or `--partial-blocks`. A node deals the
         // requests the parent replays, in whole blocks too: lines with no whole block (the
         // single-block requests with a partial block) take no conversation.
         for partial in [false, true] {
-            for (limit, nodes) in [(usize::MAX, 3), (400, 3), (usize::MAX, 1)] {
+            for (limit, nodes) in cases {
                 let limits = crate::bench::TraceLimits {
                     max_requests: limit,
                     ..crate::bench::TraceLimits::default()
@@ -871,7 +873,7 @@ mod tests {
                 }
             }
         }
-        for (limit, nodes) in [(usize::MAX, 3), (400, 3), (usize::MAX, 1)] {
+        for (limit, nodes) in cases {
             let limits = crate::bench::TraceLimits {
                 max_requests: limit,
                 ..crate::bench::TraceLimits::default()

@@ -39,11 +39,14 @@ impl Request {
     /// blocks).
     #[must_use]
     pub fn whole_blocks(mut self) -> Self {
-        if self.partial_last {
-            self.blocks.pop();
-            self.partial_last = false;
-        }
+        self.blocks.truncate(self.whole_len());
+        self.partial_last = false;
         self
+    }
+
+    /// How many of its blocks are whole: all but a partial last one.
+    pub fn whole_len(&self) -> usize {
+        self.blocks.len() - usize::from(self.partial_last && !self.blocks.is_empty())
     }
 }
 
@@ -129,16 +132,10 @@ pub fn parse_trace_replayed(
     node: Option<(u32, u32)>,
 ) -> Result<Vec<Request>, BenchError> {
     let mut conversations = super::Conversations::default();
-    let replayed = |r: &Request| (!partial).then(|| r.clone().whole_blocks());
-    let requests = parse_trace_keeping(reader, path, limits, |r| {
-        let whole = replayed(r);
-        let r = whole.as_ref().unwrap_or(r);
-        !r.blocks.is_empty() && node.is_none_or(|(n, nodes)| conversations.is_nodes(r, n, nodes))
-    })?;
-    Ok(if partial {
-        requests
-    } else {
-        requests.into_iter().map(Request::whole_blocks).collect()
+    parse_trace_selecting(reader, path, limits, |r| {
+        let r = if partial { r } else { r.whole_blocks() };
+        (!r.blocks.is_empty() && node.is_none_or(|(n, nodes)| conversations.is_nodes(&r, n, nodes)))
+            .then_some(r)
     })
 }
 
@@ -169,10 +166,22 @@ pub fn parse_trace_with(
 /// [`parse_trace_with`], keeping only the requests `keep` accepts (see
 /// [`read_trace_keeping`]); `limits.max_requests` counts every request read.
 pub fn parse_trace_keeping(
-    mut reader: impl BufRead,
+    reader: impl BufRead,
     path: &Path,
     limits: TraceLimits,
     mut keep: impl FnMut(&Request) -> bool,
+) -> Result<Vec<Request>, BenchError> {
+    parse_trace_selecting(reader, path, limits, |r| keep(&r).then_some(r))
+}
+
+/// Parses trace lines from `reader`, each request given to `select`, which returns what to
+/// keep of it (or nothing); `limits.max_requests` counts every request read, and the memory
+/// bound what is kept.
+fn parse_trace_selecting(
+    mut reader: impl BufRead,
+    path: &Path,
+    limits: TraceLimits,
+    mut select: impl FnMut(Request) -> Option<Request>,
 ) -> Result<Vec<Request>, BenchError> {
     let mut out = Vec::new();
     let mut read = 0usize;
@@ -220,9 +229,9 @@ pub fn parse_trace_keeping(
             blocks: t.hash_ids,
             partial_last: !t.input_length.is_multiple_of(TRACE_BLOCK_TOKENS),
         };
-        if !keep(&request) {
+        let Some(request) = select(request) else {
             continue;
-        }
+        };
         memory += request_bytes(request.blocks.len());
         if memory > limits.max_memory_bytes {
             return Err(bad(
