@@ -498,7 +498,7 @@ impl Primary {
                 .filter(|e| e.flags & (REUSED | PROMOTED) != 0)
                 .map(|e| e.key.clone()),
         );
-        self.policy.begin_finish(order.len()); // U3, U4
+        self.policy.begin_finish(order.len()); // U4
         for &i in order.iter().rev() {
             let e = &access.keys[i as usize];
             let used = if e.flags & REUSED != 0 {

@@ -121,15 +121,15 @@ enum Recency {
         clock: u64,
         /// Orders placements (ties in due time within a class).
         placed: u64,
-        /// How far ahead a key of each class but tails is due (U9; tails: now): reused
-        /// `4 × cap` at first, new 0, then adapted.
+        /// How far ahead a key of each class is due (U9): reused
+        /// `3 × cap` at first, new 0, then adapted.
         bonus: BTreeMap<ReuseClass, u64>,
         /// U9: what the steps left over after taking their fifths (0..5).
         fifths: u64,
         /// Two generations of distinct evicted keys; `current` takes them, up to `4 × cap`.
         ghosts: [Vec<Key>; 2],
         current: usize,
-        /// U9: two generations of victims of every class but tails, repeats kept;
+        /// U9: two generations of victims of every class, repeats kept;
         /// `recent_current` takes them, up to `⌈4 × cap / 40⌉` in all.
         recent: [Vec<(Key, ReuseClass)>; 2],
         recent_current: usize,
@@ -145,11 +145,10 @@ struct ReuseEntry {
     placed: u64,
 }
 
-/// U5's eviction order: tails, then new and reused merged by due time; on a tie the new
-/// classes first, shortest requests first.
+/// U5's eviction order: new and reused merged by due time; on a tie the new classes first,
+/// shortest requests first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum ReuseClass {
-    Tail,
     /// A new block of a request of 1–3 (0), 4–15 (1), 16–63 (2) or 64 or more (3) keys.
     New(u8),
     Reused,
@@ -176,17 +175,12 @@ const ADAPTED: [ReuseClass; 5] = [
 
 impl ReuseEntry {
     /// The key victims are taken in (U5).
-    fn order(&self) -> (bool, u64, ReuseClass, u64) {
-        (
-            self.class != ReuseClass::Tail,
-            self.due,
-            self.class,
-            self.placed,
-        )
+    fn order(&self) -> (u64, ReuseClass, u64) {
+        (self.due, self.class, self.placed)
     }
 }
 
-/// Places `key` in `class` now (U1, U2, U4): due its class's bonus ticks later (tails: now).
+/// Places `key` in `class` now (U1, U2, U4): due its class's bonus ticks later.
 fn reuse_place(
     entries: &mut BTreeMap<Key, ReuseEntry>,
     key: &Key,
@@ -196,12 +190,11 @@ fn reuse_place(
     placed: &mut u64,
 ) {
     *placed += 1;
-    // U9: a reused key never before the latest of any class but tails, a new one never
-    // before the latest of its class.
+    // U9: a reused key never before the latest of any class, a new one never before the
+    // latest of its class.
     let floor = |e: &&ReuseEntry| match class {
-        ReuseClass::Tail => false,
         ReuseClass::New(_) => e.class == class,
-        ReuseClass::Reused => e.class != ReuseClass::Tail,
+        ReuseClass::Reused => true,
     };
     let latest = entries
         .values()
@@ -270,7 +263,7 @@ impl Recency {
                         (
                             c,
                             if c == ReuseClass::Reused {
-                                4 * cap as u64
+                                3 * cap as u64
                             } else {
                                 0
                             },
@@ -461,7 +454,7 @@ impl Recency {
         let (keys, count) = (keys.iter().rev(), keys.len());
         // U4: whether the walk has placed a key reused (the keys after it are its ancestors).
         let mut walked_reused = false;
-        for (i, key) in keys.enumerate() {
+        for key in keys {
             match self {
                 Recency::Lru { ranks, last } => {
                     if let Some(rank) = ranks.get_mut(key) {
@@ -489,7 +482,7 @@ impl Recency {
                     bonus,
                     ..
                 } => {
-                    *clock += 1; // U4: every walked key ticks; U3: the first is the tail
+                    *clock += 1; // U4: every walked key ticks
                     let Some(e) = entries.get(key) else {
                         continue;
                     };
@@ -501,8 +494,6 @@ impl Recency {
                     {
                         walked_reused = true;
                         ReuseClass::Reused
-                    } else if i == 0 {
-                        ReuseClass::Tail
                     } else {
                         new_class(count)
                     };
@@ -612,9 +603,9 @@ impl Recency {
                 // has 4 × cap keys, the other is emptied and becomes the current one.
                 let limit = (4 * *cap).div_ceil(40);
                 for v in victims {
-                    // U9: every victim but tails, repeats too.
+                    // U9: every victim, repeats too.
                     match entries.get(v).map(|e| e.class) {
-                        Some(c) if c != ReuseClass::Tail && limit > 0 => {
+                        Some(c) if limit > 0 => {
                             recent[*recent_current].push((v.clone(), c));
                             if recent[*recent_current].len() == limit {
                                 *recent_current = 1 - *recent_current;

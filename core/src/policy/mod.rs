@@ -83,7 +83,7 @@ pub trait EvictionPolicy {
     fn store_miss(&mut self, key: &Key) {
         let _ = key;
     }
-    /// A request of `keys` keys is finishing: its keys follow, tail first (rules U3, U4).
+    /// A request of `keys` keys is finishing: its keys follow, tail first (rule U4).
     fn begin_finish(&mut self, keys: usize) {
         let _ = keys;
     }

@@ -1,11 +1,6 @@
 //! Reuse-aware LRU (rules U1–U9): recency, with a head start for blocks that came back.
 //!
 //! Multi-turn traffic sorts blocks into kinds, which LRU treats alike:
-//! - a request's last block that no request had before: in a trace replayed with its
-//!   partial blocks nearly always partial (the prompt rarely ends on a block boundary), and a
-//!   partial block's hash changes with the next turn, so it is almost never read again (vLLM
-//!   caches whole blocks only: there the last stored block is whole, the next turn reads it,
-//!   and evicting it first costs hits; docs/performance.md measures how many);
 //! - a block seen for the first time: some return (a conversation continues), many do not,
 //!   and how many depends on the request: on Mooncake's conversation trace the new blocks of
 //!   requests of 64 blocks or more (long documents) return least. New blocks are classed by
@@ -16,9 +11,12 @@
 //!
 //! Every entry has a *due* time on a clock that ticks once per key a request's finish (or a
 //! touch) walks: when it was last walked plus its class's *bonus*, never before the latest
-//! entry of its class (a reused one: of any class but tails); a new tail is evicted before
-//! anything else. The reused class's bonus starts at four turnovers of the cache (`4 ×
-//! capacity` ticks), the new classes' at 0, and all adapt (U9): victims that come back soon
+//! entry of its class (a reused one: of any class). A request's last stored block is placed
+//! like its other new blocks: vLLM stores whole blocks only, and the next turn reads the last
+//! one (rule U3, which evicted it first, is retired; docs/performance.md measures why). The
+//! reused class's bonus starts at three turnovers of the cache (`3 × capacity` ticks; chosen
+//! on the generated multi-turn traces and Mooncake's synthetic trace, docs/performance.md),
+//! the new classes' at 0, and all adapt (U9): victims that come back soon
 //! after their eviction tell which class needed more room. A victim of a class back lengthens
 //! that class's bonus by a step weighed by one over its class's share of the recent victims,
 //! and every class's shortens by a fifth of the step, so the classes settle where a victim of
@@ -29,7 +27,7 @@
 //!
 //! Victims are taken in due order. A request walks its keys tail to head, its new blocks
 //! share one class, a block walked after a reused one is reused too, and a reused entry is
-//! never due before the latest entry of any class but tails: so once every request holding a
+//! never due before the latest entry of any class: so once every request holding a
 //! block has finished, its ancestors are never due before it, and eviction takes a prefix's
 //! deepest blocks first (unless those cannot be evicted: pinned or protected) rather than
 //! strand a block behind a missing parent (lookups stop at the first miss).
@@ -37,8 +35,8 @@
 //! Which blocks came back after an eviction is remembered by a *ghost* of two generations:
 //! keys evicted go into the current one unless either holds them; when the current one has
 //! taken `4 × capacity` keys, the older is forgotten and a new one starts, so the ghost holds
-//! the last 4 to 8 capacities of distinct evicted keys (at least the four turnovers the bonus
-//! starts at). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set in one
+//! the last 4 to 8 capacities of distinct evicted keys (more than the three turnovers the
+//! bonus starts at). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set in one
 //! 64-byte block): a false positive makes a new block look reused, so it stays a bonus longer
 //! and crowds out others (or, when a key is evicted, keeps it out of the current generation).
 //! That is costly enough on multi-turn traffic (at 10 bits per key, about 1 % false
@@ -49,7 +47,7 @@
 //! U9 are filters of the same kind.
 //!
 //! Each class is an intrusive list in due order, so every operation is O(1) but `select`,
-//! which merges the five lists' heads after the tails. Metadata: 16 bytes per entry (links
+//! which merges the five lists' heads. Metadata: 16 bytes per entry (links
 //! and due), 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, and up to 3 bytes of
 //! recent victims (2 generations × 5 classes × 24 bits × a tenth of a capacity).
 
@@ -61,15 +59,13 @@ use core::fmt::Write;
 use super::{EvictionPolicy, Lists, Run, Use};
 use crate::key::Key;
 
-/// Request tails no request had before: evicted first.
-const TAIL: usize = 0;
 /// Blocks reused, or back after an eviction.
-const REUSED: usize = 1;
+const REUSED: usize = 0;
 /// The first class of blocks seen by one request only; one class per request length (U4).
-const NEW: usize = 2;
+const NEW: usize = 1;
 /// Classes of new blocks, by the length of the request that stored them.
 const NEW_CLASSES: usize = 4;
-/// Every class: tails, reused, and the new ones.
+/// Every class: reused, and the new ones.
 const CLASSES: usize = NEW + NEW_CLASSES;
 /// The shortest request, in blocks, of each new class after the first: requests of 1–3,
 /// 4–15, 16–63 and 64 or more blocks (powers of four).
@@ -80,7 +76,7 @@ const NEW_UNFINISHED: usize = CLASSES - 1;
 
 /// How many cache turnovers (capacity ticks) a reused block outlives a new one at first
 /// (U2, U4); U9 then adapts it, and the bonuses of the new classes, which start at 0.
-pub const REUSE_BONUS_TURNOVERS: u64 = 4;
+pub const REUSE_BONUS_TURNOVERS: u64 = 3;
 /// How many capacities of evicted keys a ghost generation takes (U6): the ghost remembers
 /// between one and two times this many.
 pub const GHOST_GENERATION_CAPACITIES: usize = 4;
@@ -100,7 +96,7 @@ pub struct ReusePolicy {
     /// The due time of every id in `lists`.
     due: Vec<u64>,
     clock: u64,
-    /// How long each class's blocks outlive the clock, in ticks (tails: 0). Reused:
+    /// How long each class's blocks outlive the clock, in ticks. Reused:
     /// `REUSE_BONUS_TURNOVERS × capacity` at first, new: 0; then adapted (U9) within
     /// `0..=MAX_BONUS_TURNOVERS × capacity`, a new class's never above the reused one's.
     bonus: [u64; CLASSES],
@@ -108,8 +104,6 @@ pub struct ReusePolicy {
     fifths: u64,
     /// The capacity the policy was made for.
     capacity: u64,
-    /// The next finished key is its request's tail (U3).
-    tail_next: bool,
     /// The new class of the request finishing (U4: by its length).
     finishing: usize,
     /// The finishing request's walk has placed a key reused (U4: the keys after it, its
@@ -202,15 +196,15 @@ fn filter_blocks(keys: usize) -> usize {
 /// (U9): the two generations remember the last 10 % to 20 % of a capacity of victims.
 const RECENT_WINDOW_40THS: usize = 4;
 
-/// Classes with recent victims: all but tails.
-const VICTIM_CLASSES: usize = CLASSES - 1;
+/// Classes with recent victims: all of them.
+const VICTIM_CLASSES: usize = CLASSES;
 
-/// The last victims of every class but tails (U9), in two generations; each generation is
+/// The last victims of every class (U9), in two generations; each generation is
 /// one blocked Bloom filter per class. Unlike the ghost it keeps every victim, repeated or
 /// not: it counts victims, not keys.
 #[derive(Clone, Debug)]
 struct Recent {
-    /// `filters[generation][class - 1]`; empty until the first key.
+    /// `filters[generation][class]`; empty until the first key.
     filters: [[Vec<u64>; VICTIM_CLASSES]; 2],
     /// Victims each filter took.
     counts: [[u64; VICTIM_CLASSES]; 2],
@@ -234,20 +228,15 @@ impl Recent {
         }
     }
 
-    /// U9: remembers a victim of `class` (not a tail).
+    /// U9: remembers a victim of `class`.
     fn push(&mut self, key: &Key, class: usize) {
         if self.limit == 0 {
             return;
         }
         let (block, bits) = probes(key, self.blocks);
         let g = self.current;
-        filter_set(
-            &mut self.filters[g][class - 1],
-            self.blocks * 8,
-            block,
-            &bits,
-        );
-        self.counts[g][class - 1] += 1;
+        filter_set(&mut self.filters[g][class], self.blocks * 8, block, &bits);
+        self.counts[g][class] += 1;
         if self.counts[g].iter().sum::<u64>() == self.limit {
             self.current = 1 - g;
             for f in &mut self.filters[self.current] {
@@ -267,13 +256,13 @@ impl Recent {
         (REUSED..CLASSES).find(|&c| {
             self.filters
                 .iter()
-                .any(|generation| filter_holds(&generation[c - 1], block, &bits))
+                .any(|generation| filter_holds(&generation[c], block, &bits))
         })
     }
 
     /// Victims of `class` both generations hold.
     fn held(&self, class: usize) -> u64 {
-        self.counts[0][class - 1] + self.counts[1][class - 1]
+        self.counts[0][class] + self.counts[1][class]
     }
 
     /// Victims both generations hold.
@@ -330,7 +319,6 @@ impl ReusePolicy {
             bonus,
             fifths: 0,
             capacity: capacity as u64,
-            tail_next: false,
             finishing: NEW,
             walked_reused: false,
             ghost: Ghost::new(GHOST_GENERATION_CAPACITIES * capacity),
@@ -357,7 +345,7 @@ impl ReusePolicy {
         let fifths = self.fifths + step;
         let shrink = fifths / VICTIM_CLASSES as u64;
         self.fifths = fifths % VICTIM_CLASSES as u64;
-        for b in &mut self.bonus[REUSED..] {
+        for b in &mut self.bonus {
             *b = b.saturating_sub(shrink);
         }
         // Only `class` can have passed the reused bonus: reused blocks keep up with it.
@@ -380,7 +368,7 @@ impl ReusePolicy {
     }
 
     /// U2/U4: a reused block, walked now: due the reused bonus ahead, and never before the
-    /// latest entry of any class but tails (U9: a shrinking bonus takes effect as the clock
+    /// latest entry of any class (U9: a shrinking bonus takes effect as the clock
     /// catches up, and a reused block is never due before a new one placed earlier).
     fn reuse(&mut self, id: u32) {
         let latest = (REUSED..CLASSES).map(|c| self.latest(c)).max().unwrap_or(0);
@@ -403,8 +391,7 @@ impl ReusePolicy {
         let mut victims = Vec::new();
         self.select(self.len(), &mut |_| true, &mut victims);
         for id in victims {
-            let class =
-                ["t", "r", "n0", "n1", "n2", "n3"][self.lists.list_of(id).expect("resident")];
+            let class = ["r", "n0", "n1", "n2", "n3"][self.lists.list_of(id).expect("resident")];
             // Due before the clock: below anything placed later (0); at or after it: placed
             // later entries compare to it (1 + the difference).
             let due = self.due[id as usize];
@@ -428,9 +415,7 @@ impl ReusePolicy {
         let _ = write!(
             out,
             "|bonus{:?}/{}|recent{}",
-            &self.bonus[REUSED..],
-            self.fifths,
-            r.current
+            &self.bonus, self.fifths, r.current
         );
         for (generation, counts) in r.filters.iter().zip(&r.counts) {
             for (filter, count) in generation.iter().zip(counts) {
@@ -471,27 +456,21 @@ impl EvictionPolicy for ReusePolicy {
     }
 
     fn begin_finish(&mut self, keys: usize) {
-        self.tail_next = true; // U3
         self.finishing = new_class(keys);
         self.walked_reused = false;
     }
 
     fn finish(&mut self, _key: &Key, resident: Option<u32>, used: Use) {
         self.clock += 1; // U4: every walked key ticks
-        let tail = core::mem::replace(&mut self.tail_next, false);
         let Some(id) = resident else {
             return;
         };
         match used {
-            // A stored block is a tail or new unless it is reused already or a block walked
-            // before it (a descendant) was placed reused: then it is reused too, so that it
-            // is not due before that descendant.
+            // A stored block is new unless it is reused already or a block walked before it
+            // (a descendant) was placed reused: then it is reused too, so that it is not due
+            // before that descendant.
             Use::Inserted if !self.walked_reused && self.lists.list_of(id) != Some(REUSED) => {
-                if tail {
-                    self.place(id, TAIL, self.clock);
-                } else {
-                    self.place_new(id, self.finishing);
-                }
+                self.place_new(id, self.finishing);
             }
             _ => {
                 self.reuse(id);
@@ -512,25 +491,13 @@ impl EvictionPolicy for ReusePolicy {
     }
 
     fn select(&self, n: usize, eligible: &mut dyn FnMut(u32) -> bool, out: &mut Vec<u32>) {
-        // U5: tails first, oldest first; then the other classes merged by due time: on a
-        // tie new before reused, the shorter requests' class first.
+        // U5: the classes merged by due time: on a tie new before reused, the shorter
+        // requests' class first.
         let mut found = 0;
         if n == 0 {
             return;
         }
-        for id in self.lists.iter(TAIL) {
-            if eligible(id) {
-                out.push(id);
-                found += 1;
-                if found == n {
-                    return;
-                }
-            }
-        }
-        let mut heads = [None; CLASSES];
-        for (class, head) in heads.iter_mut().enumerate().skip(REUSED) {
-            *head = self.lists.front(class);
-        }
+        let mut heads: [Option<u32>; CLASSES] = core::array::from_fn(|c| self.lists.front(c));
         loop {
             let mut best: Option<(u64, usize)> = None;
             // On a tie the first class tried wins: the new ones in order, then reused.
@@ -559,9 +526,7 @@ impl EvictionPolicy for ReusePolicy {
 
     fn evict(&mut self, id: u32, key: &Key) {
         if let Some(class) = self.lists.remove(id) {
-            if class != TAIL {
-                self.recent.push(key, class); // U9
-            }
+            self.recent.push(key, class); // U9
             self.ghost.push(key); // U6
         }
     }
@@ -584,7 +549,7 @@ impl EvictionPolicy for ReusePolicy {
                 if due < last {
                     return Err(format!("class {class}: id {id} due before its predecessor"));
                 }
-                if due > self.clock + max || (class == TAIL && due > self.clock) {
+                if due > self.clock + max {
                     return Err(format!("id {id} due after the clock's reach"));
                 }
                 last = due;
@@ -614,8 +579,7 @@ impl EvictionPolicy for ReusePolicy {
         });
         let full = |g: usize| r.counts[g].iter().sum::<u64>();
         let reused = self.bonus[REUSED];
-        if self.bonus[TAIL] != 0
-            || self.fifths >= VICTIM_CLASSES as u64
+        if self.fifths >= VICTIM_CLASSES as u64
             || reused > max
             || self.bonus[NEW..].iter().any(|&b| b > reused)
             || r.current > 1
@@ -661,10 +625,10 @@ mod tests {
         p.check().unwrap();
     }
 
-    /// U3, U4, U5: the new tail goes first, then new blocks deepest first; reused blocks
+    /// U4, U5: new blocks go deepest first, the tail with them (U3 retired); reused blocks
     /// outlive new ones walked later.
     #[test]
-    fn tails_go_first_reused_blocks_last() {
+    fn new_blocks_go_deepest_first_reused_blocks_last() {
         let mut p = ReusePolicy::new(4);
         for i in 0..3 {
             p.insert(u32::from(i), &k(i));
@@ -673,7 +637,12 @@ mod tests {
             &mut p,
             &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)],
         );
-        assert_eq!(order(&p), [2, 1, 0], "tail, then deepest first");
+        assert_eq!(
+            p.lists.list_of(2),
+            Some(NEW),
+            "the tail is new like the others"
+        );
+        assert_eq!(order(&p), [2, 1, 0], "deepest first");
         // A second request reuses 0, promotes 1 back from a tier (read back: reused too) and
         // stores 3 (its tail).
         p.insert(3, &k(3));
@@ -681,7 +650,8 @@ mod tests {
             &mut p,
             &[(0, Use::Reused), (1, Use::Promoted), (3, Use::Inserted)],
         );
-        assert_eq!(order(&p), [2, 3, 1, 0], "tails oldest first, reused last");
+        assert_eq!(p.lists.list_of(3), Some(NEW));
+        assert_eq!(order(&p), [2, 3, 1, 0], "new oldest first, reused last");
     }
 
     /// U1, U6: a block back after an eviction starts reused; one removed leaves no ghost.
@@ -750,10 +720,11 @@ mod tests {
             p.insert(1, &k(1));
             assert_eq!(p.lists.list_of(0), Some(NEW_UNFINISHED));
             p.begin_finish(keys);
-            p.finish(&k(1), Some(1), Use::Inserted); // the tail
+            p.finish(&k(1), Some(1), Use::Inserted); // the tail: new like the others
             p.finish(&k(0), Some(0), Use::Inserted);
-            assert_eq!(p.lists.list_of(1), Some(TAIL));
-            assert_eq!(p.lists.list_of(0), Some(class), "a request of {keys} keys");
+            for id in [0, 1] {
+                assert_eq!(p.lists.list_of(id), Some(class), "a request of {keys} keys");
+            }
             p.check().unwrap();
         }
     }
@@ -807,13 +778,13 @@ mod tests {
     /// over five of them.
     #[test]
     fn fifths_of_small_steps_add_up() {
-        let mut p = ReusePolicy::new(10); // 40 ticks of reused bonus, one victim a generation
+        let mut p = ReusePolicy::new(10); // 30 ticks of reused bonus, one victim a generation
         for i in 0..5u8 {
             p.recent.push(&k(i), NEW);
             p.insert(u32::from(i), &k(i));
             assert_eq!(p.fifths, u64::from(i + 1) % 5);
         }
-        assert_eq!(p.bonus[REUSED..], [39, 4, 0, 0, 0]);
+        assert_eq!(p.bonus[REUSED..], [29, 4, 0, 0, 0]);
         p.check().unwrap();
     }
 
@@ -848,7 +819,7 @@ mod tests {
             &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)],
         );
         let classes = |p: &ReusePolicy| [0, 1, 2].map(|i| p.lists.list_of(i).expect("held"));
-        assert_eq!(classes(&p), [REUSED, REUSED, TAIL]);
+        assert_eq!(classes(&p), [REUSED, REUSED, NEW]);
         assert!(p.due[0] >= p.due[1]);
         assert_eq!(order(&p), [2, 1, 0]);
         let mut p = ReusePolicy::new(4);
@@ -894,7 +865,7 @@ mod tests {
     /// the shorter requests' class goes first, reused last.
     #[test]
     fn new_bonuses_keep_every_class_in_order() {
-        let mut p = ReusePolicy::new(4); // reused bonus 16
+        let mut p = ReusePolicy::new(4); // reused bonus 12
         p.bonus[NEW_UNFINISHED] = 10;
         p.insert(0, &k(0)); // due 0 + 10
         p.bonus[NEW_UNFINISHED] = 0;
@@ -908,7 +879,7 @@ mod tests {
         p.bonus[NEW] = 7;
         p.insert(3, &k(3));
         p.begin_finish(2);
-        p.finish(&k(9), None, Use::Inserted); // the tail, not resident: clock 2
+        p.finish(&k(9), None, Use::Inserted); // the last key, not resident: clock 2
         p.finish(&k(3), Some(3), Use::Inserted); // clock 3: requests of 1–3, due 3 + 7
         assert_eq!((p.lists.list_of(3), p.due[3]), (Some(NEW), 10));
         p.check().unwrap();
@@ -935,13 +906,13 @@ mod tests {
     /// U5: only eligible ids, and a merge that keeps due order across the lists.
     #[test]
     fn select_merges_by_due_time() {
-        let mut p = ReusePolicy::new(1); // bonus of 4 ticks
+        let mut p = ReusePolicy::new(1); // bonus of 3 ticks
         for i in 0..4 {
             p.insert(u32::from(i), &k(i));
         }
-        p.touch(&k(0), Some((0, true))); // clock 1, due 5
+        p.touch(&k(0), Some((0, true))); // clock 1, due 4
         for i in 1..4u8 {
-            p.finish(&k(i), Some(u32::from(i)), Use::Inserted); // clocks 2..4, no tail
+            p.finish(&k(i), Some(u32::from(i)), Use::Inserted); // clocks 2..4
         }
         p.clock += 3;
         p.finish(&k(3), Some(3), Use::Inserted); // clock 8: due after 0's
@@ -953,9 +924,9 @@ mod tests {
         let mut p = ReusePolicy::new(1);
         p.insert(0, &k(0));
         p.insert(1, &k(1));
-        p.touch(&k(0), Some((0, true))); // clock 1, due 5
-        p.clock += 3;
-        p.finish(&k(1), Some(1), Use::Inserted); // clock 5, due 5
+        p.touch(&k(0), Some((0, true))); // clock 1, due 4
+        p.clock += 2;
+        p.finish(&k(1), Some(1), Use::Inserted); // clock 4, due 4
         assert_eq!(order(&p), [1, 0]);
         p.check().unwrap();
     }
