@@ -15,7 +15,8 @@
 //! like its other new blocks: vLLM stores whole blocks only, and the next turn reads the last
 //! one (rule U3, which evicted it first, is retired; docs/performance.md measures why). The
 //! reused class's bonus starts at three turnovers of the cache (`3 × capacity` ticks; chosen
-//! on the generated multi-turn traces and Mooncake's synthetic trace, docs/performance.md),
+//! on generated multi-turn traces, the bench's workload and Mooncake's synthetic trace,
+//! docs/performance.md),
 //! the new classes' at 0, and all adapt (U9): victims that come back soon
 //! after their eviction tell which class needed more room. A victim of a class back lengthens
 //! that class's bonus by a step weighed by one over its class's share of the recent victims,
@@ -70,6 +71,8 @@ const CLASSES: usize = NEW + NEW_CLASSES;
 /// The shortest request, in blocks, of each new class after the first: requests of 1–3,
 /// 4–15, 16–63 and 64 or more blocks (powers of four).
 const NEW_CLASS_LENGTHS: [usize; NEW_CLASSES - 1] = [4, 16, 64];
+/// Each class's name in canonical forms.
+const CLASS_NAMES: [&str; CLASSES] = ["r", "n0", "n1", "n2", "n3"];
 /// The new class of a block inserted before its request finishes: the longest requests'
 /// (U1; the finish, U4, gives it its request's).
 const NEW_UNFINISHED: usize = CLASSES - 1;
@@ -391,7 +394,7 @@ impl ReusePolicy {
         let mut victims = Vec::new();
         self.select(self.len(), &mut |_| true, &mut victims);
         for id in victims {
-            let class = ["r", "n0", "n1", "n2", "n3"][self.lists.list_of(id).expect("resident")];
+            let class = CLASS_NAMES[self.lists.list_of(id).expect("resident")];
             // Due before the clock: below anything placed later (0); at or after it: placed
             // later entries compare to it (1 + the difference).
             let due = self.due[id as usize];
@@ -663,6 +666,9 @@ mod tests {
         p.evict(0, &k(0));
         p.remove(1);
         p.check().unwrap();
+        // U9: the victim is remembered with its class; the removal is not a victim.
+        assert_eq!(p.recent.held(NEW_UNFINISHED), 1);
+        assert_eq!(p.recent.held_all(), 1);
         p.insert(0, &k(0));
         p.insert(1, &k(1));
         assert_eq!(p.lists.list_of(0), Some(REUSED));
@@ -725,6 +731,9 @@ mod tests {
             for id in [0, 1] {
                 assert_eq!(p.lists.list_of(id), Some(class), "a request of {keys} keys");
             }
+            // Placed by the finish, tail first (inserted with due 0, the longest requests'
+            // class alike: without the finish, 64 keys or more would pass unplaced).
+            assert_eq!((p.due[1], p.due[0]), (1, 2), "a request of {keys} keys");
             p.check().unwrap();
         }
     }
