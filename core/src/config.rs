@@ -20,7 +20,7 @@ pub enum PolicyKind {
     /// vLLM's simplified adaptive replacement cache (T1/T2 with ghost lists B1/B2).
     Arc,
     /// kvtier's reuse-aware LRU (rules U1–U9), for the primary only: blocks reused or back
-    /// after an eviction outlive new ones by a bonus that starts at three turnovers of the
+    /// after an eviction outlive new ones by a bonus that starts at two turnovers of the
     /// cache and adapts to how often each kind comes back.
     Reuse,
 }

@@ -122,7 +122,7 @@ enum Recency {
         /// Orders placements (ties in due time within a class).
         placed: u64,
         /// How far ahead a key of each class is due (U9): reused
-        /// `3 × cap` at first, new 0, then adapted.
+        /// `2 × cap` at first, new 0, then adapted.
         bonus: BTreeMap<ReuseClass, u64>,
         /// U9: what the steps left over after taking their fifths (0..5).
         fifths: u64,
@@ -130,7 +130,7 @@ enum Recency {
         ghosts: [Vec<Key>; 2],
         current: usize,
         /// U9: two generations of victims of every class, repeats kept;
-        /// `recent_current` takes them, up to `⌈4 × cap / 40⌉` in all.
+        /// `recent_current` takes them, up to `⌈16 × cap / 40⌉` in all.
         recent: [Vec<(Key, ReuseClass)>; 2],
         recent_current: usize,
         cap: usize,
@@ -263,7 +263,7 @@ impl Recency {
                         (
                             c,
                             if c == ReuseClass::Reused {
-                                3 * cap as u64
+                                2 * cap as u64
                             } else {
                                 0
                             },
@@ -601,7 +601,7 @@ impl Recency {
             } => {
                 // U6: a victim neither generation holds goes into the current one; when that
                 // has 4 × cap keys, the other is emptied and becomes the current one.
-                let limit = (4 * *cap).div_ceil(40);
+                let limit = (16 * *cap).div_ceil(40);
                 for v in victims {
                     // U9: every victim, repeats too.
                     match entries.get(v).map(|e| e.class) {

@@ -14,7 +14,7 @@
 //! entry of its class (a reused one: of any class). A request's last stored block is placed
 //! like its other new blocks: vLLM stores whole blocks only, and the next turn reads the last
 //! one (rule U3, which evicted it first, is retired; docs/performance.md measures why). The
-//! reused class's bonus starts at three turnovers of the cache (`3 × capacity` ticks; chosen
+//! reused class's bonus starts at two turnovers of the cache (`2 × capacity` ticks; chosen
 //! on generated multi-turn traces, the bench's workload and Mooncake's synthetic trace,
 //! docs/performance.md),
 //! the new classes' at 0, and all adapt (U9): victims that come back soon
@@ -36,7 +36,7 @@
 //! Which blocks came back after an eviction is remembered by a *ghost* of two generations:
 //! keys evicted go into the current one unless either holds them; when the current one has
 //! taken `4 × capacity` keys, the older is forgotten and a new one starts, so the ghost holds
-//! the last 4 to 8 capacities of distinct evicted keys (more than the three turnovers the
+//! the last 4 to 8 capacities of distinct evicted keys (more than the two turnovers the
 //! bonus starts at). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set in one
 //! 64-byte block): a false positive makes a new block look reused, so it stays a bonus longer
 //! and crowds out others (or, when a key is evicted, keeps it out of the current generation).
@@ -49,8 +49,8 @@
 //!
 //! Each class is an intrusive list in due order, so every operation is O(1) but `select`,
 //! which merges the five lists' heads. Metadata: 16 bytes per entry (links
-//! and due), 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, and up to 3 bytes of
-//! recent victims (2 generations × 5 classes × 24 bits × a tenth of a capacity).
+//! and due), 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, and up to 12 bytes
+//! of recent victims (2 generations × 5 classes × 24 bits × two fifths of a capacity).
 
 use alloc::format;
 use alloc::string::String;
@@ -79,7 +79,7 @@ const NEW_UNFINISHED: usize = CLASSES - 1;
 
 /// How many cache turnovers (capacity ticks) a reused block outlives a new one at first
 /// (U2, U4); U9 then adapts it, and the bonuses of the new classes, which start at 0.
-pub const REUSE_BONUS_TURNOVERS: u64 = 3;
+pub const REUSE_BONUS_TURNOVERS: u64 = 2;
 /// How many capacities of evicted keys a ghost generation takes (U6): the ghost remembers
 /// between one and two times this many.
 pub const GHOST_GENERATION_CAPACITIES: usize = 4;
@@ -196,8 +196,11 @@ fn filter_blocks(keys: usize) -> usize {
 }
 
 /// The fraction of the capacity, in 40ths, each generation of the recent victims takes
-/// (U9): the two generations remember the last 10 % to 20 % of a capacity of victims.
-const RECENT_WINDOW_40THS: usize = 4;
+/// (U9): the two generations remember the last 40 % to 80 % of a capacity of victims, so a
+/// victim that comes back later than a tenth of a capacity still tells of its class (with a
+/// tenth, Mooncake's synthetic trace fell to 0.985× LRU at 2 % capacity and 0.988× at 5 %;
+/// docs/performance.md).
+const RECENT_WINDOW_40THS: usize = 16;
 
 /// Classes with recent victims: all of them.
 const VICTIM_CLASSES: usize = CLASSES;
@@ -745,7 +748,7 @@ mod tests {
     #[test]
     fn recent_victims_adapt_the_bonuses() {
         let kk = |i: u16| Key::from(i.to_le_bytes());
-        let mut p = ReusePolicy::new(1000); // generations of 100 victims, steps of at most 20
+        let mut p = ReusePolicy::new(1000); // generations of 400 victims, steps of at most 20
         let start = REUSE_BONUS_TURNOVERS * 1000;
         let bonuses = |p: &ReusePolicy| p.bonus[REUSED..].to_vec();
         for i in 10..14 {
@@ -766,15 +769,15 @@ mod tests {
         assert_eq!(bonuses(&p), [start + 40, 0, 0, 0, 0]);
         p.insert(4, &kk(99)); // never a victim
         assert_eq!(bonuses(&p), [start + 40, 0, 0, 0, 0]);
-        // 46 victims so far: 54 more fill the generation, 100 more the next, which forgets
+        // 46 victims so far: 354 more fill the generation, 400 more the next, which forgets
         // the first.
-        for i in 100..154 {
+        for i in 100..454 {
             p.recent.push(&kk(i), NEW + 2);
         }
-        assert_eq!((p.recent.current, p.recent.held_all()), (1, 100));
+        assert_eq!((p.recent.current, p.recent.held_all()), (1, 400));
         p.insert(5, &kk(20)); // still held by the older generation
         assert_eq!(bonuses(&p), [start + 56, 0, 0, 0, 0]);
-        for i in 200..300 {
+        for i in 500..900 {
             p.recent.push(&kk(i), NEW + 3);
         }
         assert_eq!((p.recent.current, p.recent.held(REUSED)), (0, 0));
@@ -787,13 +790,13 @@ mod tests {
     /// over five of them.
     #[test]
     fn fifths_of_small_steps_add_up() {
-        let mut p = ReusePolicy::new(10); // 30 ticks of reused bonus, one victim a generation
+        let mut p = ReusePolicy::new(10); // 20 ticks of reused bonus, 4 victims a generation
         for i in 0..5u8 {
             p.recent.push(&k(i), NEW);
             p.insert(u32::from(i), &k(i));
             assert_eq!(p.fifths, u64::from(i + 1) % 5);
         }
-        assert_eq!(p.bonus[REUSED..], [29, 4, 0, 0, 0]);
+        assert_eq!(p.bonus[REUSED..], [19, 4, 0, 0, 0]);
         p.check().unwrap();
     }
 
@@ -874,7 +877,7 @@ mod tests {
     /// the shorter requests' class goes first, reused last.
     #[test]
     fn new_bonuses_keep_every_class_in_order() {
-        let mut p = ReusePolicy::new(4); // reused bonus 12
+        let mut p = ReusePolicy::new(4); // reused bonus 8
         p.bonus[NEW_UNFINISHED] = 10;
         p.insert(0, &k(0)); // due 0 + 10
         p.bonus[NEW_UNFINISHED] = 0;
@@ -915,11 +918,11 @@ mod tests {
     /// U5: only eligible ids, and a merge that keeps due order across the lists.
     #[test]
     fn select_merges_by_due_time() {
-        let mut p = ReusePolicy::new(1); // bonus of 3 ticks
+        let mut p = ReusePolicy::new(1); // bonus of 2 ticks
         for i in 0..4 {
             p.insert(u32::from(i), &k(i));
         }
-        p.touch(&k(0), Some((0, true))); // clock 1, due 4
+        p.touch(&k(0), Some((0, true))); // clock 1, due 3
         for i in 1..4u8 {
             p.finish(&k(i), Some(u32::from(i)), Use::Inserted); // clocks 2..4
         }
@@ -933,9 +936,9 @@ mod tests {
         let mut p = ReusePolicy::new(1);
         p.insert(0, &k(0));
         p.insert(1, &k(1));
-        p.touch(&k(0), Some((0, true))); // clock 1, due 4
-        p.clock += 2;
-        p.finish(&k(1), Some(1), Use::Inserted); // clock 4, due 4
+        p.touch(&k(0), Some((0, true))); // clock 1, due 3
+        p.clock += 1;
+        p.finish(&k(1), Some(1), Use::Inserted); // clock 3, due 3
         assert_eq!(order(&p), [1, 0]);
         p.check().unwrap();
     }
