@@ -282,11 +282,14 @@ def test_same_calls_same_answers_as_sglangs_file_backend(tmp_path, seed, layout)
     """Random batches of sets, exists and gets, through SGLang's own controller functions:
     the zero-copy ones for kvtier, the generic ones for HiCacheFile. Equal exists answers,
     equal bytes from every get both serve. kvtier is given room for every page here, so
-    nothing is stricter."""
+    nothing is stricter, and a minute for every promotion from its file tier (with the default
+    wait of 2 s, on a machine loaded by two other builds, exists once answered a shorter run
+    than HiCacheFile's)."""
     rng = random.Random(seed)
     kv_pool, file_pool = mha_pool(layout), mha_pool(layout)
     tiers = [{"type": "file", "path": str(tmp_path / "kvtier"), "capacity_bytes": 1 << 22}]
-    kv = attach(kv_pool, kvtier_extra(cpu_bytes_to_use=8 * 4096, secondary_tiers=tiers))
+    extra = kvtier_extra(cpu_bytes_to_use=8 * 4096, secondary_tiers=tiers, wait_timeout_s=60)
+    kv = attach(kv_pool, extra)
     hf = HiCacheFile(storage_config({}), file_path=str(tmp_path / "hicache"))
     hf.register_mem_pool_host(file_pool)
     ckv, cfile = controller(kv, kv_pool), controller(hf, file_pool)
