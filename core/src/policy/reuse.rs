@@ -16,8 +16,7 @@
 //! one (rule U3, which evicted it first, is retired; docs/performance.md measures why). The
 //! reused class's bonus starts at two turnovers of the cache (`2 × capacity` ticks; chosen
 //! on generated multi-turn traces, the bench's workload and Mooncake's synthetic trace,
-//! docs/performance.md),
-//! the new classes' at 0, and all adapt (U9): victims that come back soon
+//! docs/performance.md), the new classes' at 0, and all adapt (U9): victims that come back soon
 //! after their eviction tell which class needed more room. A victim of a class back lengthens
 //! that class's bonus by a step weighed by one over its class's share of the recent victims,
 //! and every class's shortens by a fifth of the step, so the classes settle where a victim of
@@ -37,8 +36,8 @@
 //! keys evicted go into the current one unless either holds them; when the current one has
 //! taken `4 × capacity` keys, the older is forgotten and a new one starts, so the ghost holds
 //! the last 4 to 8 capacities of distinct evicted keys (more than the two turnovers the
-//! bonus starts at). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set in one
-//! 64-byte block): a false positive makes a new block look reused, so it stays a bonus longer
+//! bonus starts at). Each generation is a blocked Bloom filter (24 bits per key, 6 bits set
+//! in one 64-byte block): a false positive makes a new block look reused, so it stays a bonus longer
 //! and crowds out others (or, when a key is evicted, keeps it out of the current generation).
 //! That is costly enough on multi-turn traffic (at 10 bits per key, about 1 % false
 //! positives, the Mooncake synthetic trace kept a third of the policy's gain at 5 % capacity:
@@ -48,8 +47,8 @@
 //! U9 are filters of the same kind.
 //!
 //! Each class is an intrusive list in due order, so every operation is O(1) but `select`,
-//! which merges the five lists' heads. Metadata: 16 bytes per entry (links
-//! and due), 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, and up to 12 bytes
+//! which merges the five lists' heads. Metadata: 16 bytes per entry (links and due),
+//! 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, and up to 12 bytes
 //! of recent victims (2 generations × 5 classes × 24 bits × two fifths of a capacity).
 
 use alloc::format;
@@ -202,18 +201,15 @@ fn filter_blocks(keys: usize) -> usize {
 /// docs/performance.md).
 const RECENT_WINDOW_40THS: usize = 16;
 
-/// Classes with recent victims: all of them.
-const VICTIM_CLASSES: usize = CLASSES;
-
 /// The last victims of every class (U9), in two generations; each generation is
 /// one blocked Bloom filter per class. Unlike the ghost it keeps every victim, repeated or
 /// not: it counts victims, not keys.
 #[derive(Clone, Debug)]
 struct Recent {
     /// `filters[generation][class]`; empty until the first key.
-    filters: [[Vec<u64>; VICTIM_CLASSES]; 2],
+    filters: [[Vec<u64>; CLASSES]; 2],
     /// Victims each filter took.
-    counts: [[u64; VICTIM_CLASSES]; 2],
+    counts: [[u64; CLASSES]; 2],
     /// The generation victims go into.
     current: usize,
     /// Victims a generation takes before the older is forgotten (0: never adapt).
@@ -227,7 +223,7 @@ impl Recent {
         let limit = (capacity * RECENT_WINDOW_40THS).div_ceil(40);
         Recent {
             filters: Default::default(),
-            counts: [[0; VICTIM_CLASSES]; 2],
+            counts: [[0; CLASSES]; 2],
             current: 0,
             limit: limit as u64,
             blocks: filter_blocks(limit),
@@ -248,7 +244,7 @@ impl Recent {
             for f in &mut self.filters[self.current] {
                 f.fill(0);
             }
-            self.counts[self.current] = [0; VICTIM_CLASSES];
+            self.counts[self.current] = [0; CLASSES];
         }
     }
 
@@ -349,8 +345,8 @@ impl ReusePolicy {
         // A fifth of the step (one share per adapted class: the bonuses' sum stays put but for
         // their bounds), the remainder carried to the next (small caches' steps are one tick).
         let fifths = self.fifths + step;
-        let shrink = fifths / VICTIM_CLASSES as u64;
-        self.fifths = fifths % VICTIM_CLASSES as u64;
+        let shrink = fifths / CLASSES as u64;
+        self.fifths = fifths % CLASSES as u64;
         for b in &mut self.bonus {
             *b = b.saturating_sub(shrink);
         }
@@ -585,7 +581,7 @@ impl EvictionPolicy for ReusePolicy {
         });
         let full = |g: usize| r.counts[g].iter().sum::<u64>();
         let reused = self.bonus[REUSED];
-        if self.fifths >= VICTIM_CLASSES as u64
+        if self.fifths >= CLASSES as u64
             || reused > max
             || self.bonus[NEW..].iter().any(|&b| b > reused)
             || r.current > 1
