@@ -1,6 +1,9 @@
 //! The CUDA transfer engine (feature `cuda`): the region is registered as pinned host memory,
-//! copies are batched asynchronous `cuMemcpy` calls on one stream per direction, each
-//! transfer ends with an event, and completion is learnt by polling the events.
+//! copies are asynchronous on one stream per direction, each transfer ends with an event, and
+//! completion is learnt by polling the events. A transfer's blocks that are adjacent both in
+//! the region and on the device are merged into one copy, and its copies go to the driver in
+//! one `cuMemcpyBatchAsync` call where the driver has it (CUDA 12.8 and later); otherwise,
+//! and for good once a batch has failed, one `cuMemcpyAsync` per copy.
 //!
 //! Every transfer is ordered after the work queued on the inference engine's compute stream
 //! when it is submitted ([`CudaEngine::set_compute_stream`]). A transfer whose copies were
@@ -142,6 +145,28 @@ fn check_device_memory(
     Ok(())
 }
 
+/// The most copies handed to one `cuMemcpyBatchAsync` call.
+const BATCH_MAX: usize = 4096;
+
+/// `copies` (`(region offset, device address, bytes)`) with each run of copies that are
+/// adjacent on both sides (the next starts where the last ended, in the region and on the
+/// device) merged into one. Blocks of consecutive slots and consecutive device blocks are
+/// then one copy, whichever way they were listed.
+fn coalesce(copies: &[(usize, sys::CUdeviceptr, usize)]) -> Vec<(usize, sys::CUdeviceptr, usize)> {
+    let mut out: Vec<(usize, sys::CUdeviceptr, usize)> = Vec::with_capacity(copies.len());
+    for &(host, dptr, len) in copies {
+        if let Some(last) = out.last_mut()
+            && last.0 + last.2 == host
+            && last.1 + last.2 as u64 == dptr
+        {
+            last.2 += len;
+            continue;
+        }
+        out.push((host, dptr, len));
+    }
+    out
+}
+
 /// A retained primary context, released when the last holder drops it.
 struct Retained {
     api: Arc<dyn Api>,
@@ -219,6 +244,25 @@ fn registry() -> std::sync::MutexGuard<'static, BTreeMap<usize, Registered>> {
     REGISTRY.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Why the region at `path` cannot be pinned, where its filesystem explains it: Linux (6.5
+/// and later) refuses to pin writable shared mappings of files for DMA unless they are in
+/// memory (tmpfs, hugetlbfs). An anonymous region (`@NAME`, a memfd) is always pinnable.
+fn unpinnable(path: &std::path::Path) -> Option<String> {
+    use nix::sys::statfs::{HUGETLBFS_MAGIC, TMPFS_MAGIC, statfs};
+    if path.as_os_str().as_encoded_bytes().starts_with(b"@") {
+        return None;
+    }
+    let fs = statfs(path).ok()?.filesystem_type();
+    (fs != TMPFS_MAGIC && fs != HUGETLBFS_MAGIC).then(|| {
+        format!(
+            "the region's file {} is not on tmpfs or hugetlbfs, and the kernel refuses to pin \
+             shared file mappings of other filesystems for DMA: put the region under /dev/shm, \
+             or use an anonymous region",
+            path.display()
+        )
+    })
+}
+
 /// One engine's share of the registration of its region as pinned host memory.
 struct Registration {
     region: Arc<Region>,
@@ -240,8 +284,13 @@ impl Registration {
                 let _current = ctx.enter()?;
                 // SAFETY: `ptr..ptr + len` is the region's live mapping, kept alive by the
                 // `Arc` every `Registration` holds until the last one unregisters it.
-                unsafe { ctx.api.register(ptr, len) }
-                    .map_err(|e| gpu("cuMemHostRegister (pinning the region)", e))?;
+                unsafe { ctx.api.register(ptr, len) }.map_err(|e| {
+                    let error = format!("cuMemHostRegister (pinning the region): {:?}", e.0);
+                    EngineError::Gpu(match unpinnable(region.path()) {
+                        Some(why) => format!("{error}: {why}"),
+                        None => error,
+                    })
+                })?;
                 registry.insert(
                     ptr.addr(),
                     Registered {
@@ -325,6 +374,11 @@ pub struct CudaEngine {
     blocks: (sys::CUdeviceptr, usize),
     /// Dropped after `drop` drained the streams, and before `ctx`.
     registration: Option<Registration>,
+    /// The GPU's ordinal.
+    ordinal: i32,
+    /// Whether a transfer's copies go to the driver in one `cuMemcpyBatchAsync`: where the
+    /// driver has it, until a batch fails (then one `cuMemcpyAsync` per copy, for good).
+    batch: bool,
     ctx: Arc<Retained>,
     region: Arc<Region>,
     api: Arc<dyn Api>,
@@ -340,6 +394,7 @@ impl std::fmt::Debug for CudaEngine {
             .field("worker", &self.worker)
             .field("device", &self.device)
             .field("in_flight", &self.in_flight.len())
+            .field("batch", &self.batch)
             .finish()
     }
 }
@@ -424,6 +479,8 @@ impl CudaEngine {
             device,
             blocks: ranges[0],
             registration: None,
+            ordinal,
+            batch: api.batch_available(),
             ctx,
             region,
             api,
@@ -617,8 +674,29 @@ impl CudaEngine {
             self.destroy_event(event);
             return Err(e);
         }
+        let copies = coalesce(copies);
         let mut failure = None;
-        for (i, &(host, dptr, len)) in copies.iter().enumerate() {
+        // Whether copies of this job may already be queued (by a batch that failed part way).
+        let mut queued = false;
+        let mut sent = false;
+        if self.batch && copies.len() > 1 {
+            match self.queue_batch(direction, &copies, stream) {
+                Ok(()) => sent = true,
+                Err(e) => {
+                    // Copies are idempotent and ordered on one stream: queuing them all again
+                    // one by one below gives the same bytes, whatever prefix the batch queued.
+                    tracing::warn!(
+                        error = %e,
+                        "cuMemcpyBatchAsync failed: copying one block at a time from now on"
+                    );
+                    self.batch = false;
+                    queued = true;
+                }
+            }
+        }
+        // After a batch, nothing is left to queue one by one.
+        let singles = if sent { &[][..] } else { &copies[..] };
+        for (i, &(host, dptr, len)) in singles.iter().enumerate() {
             // SAFETY: both ranges were checked by the caller to lie inside the registered
             // region and the engine's device memory. The slot is owned by this transfer until
             // it is reported (Pending for a store, load-pinned for a load: I3, I6), which
@@ -632,7 +710,7 @@ impl CudaEngine {
                 Direction::ToDevice => unsafe { self.api.copy_to_device(dptr, host, len, stream) },
             };
             if let Err(e) = r {
-                if i == 0 {
+                if i == 0 && !queued {
                     // Nothing queued: the job is refused.
                     self.destroy_event(event);
                     return Err(gpu("cuMemcpyAsync", e));
@@ -674,6 +752,34 @@ impl CudaEngine {
             bytes: 0,
             started,
         });
+        Ok(())
+    }
+
+    /// Queues `copies` in batches of at most [`BATCH_MAX`] copies each.
+    fn queue_batch(
+        &self,
+        direction: Direction,
+        copies: &[(usize, sys::CUdeviceptr, usize)],
+        stream: sys::CUstream,
+    ) -> Result<(), EngineError> {
+        let base = self.region.raw_parts().0;
+        let mut batch = Vec::with_capacity(copies.len().min(BATCH_MAX));
+        for chunk in copies.chunks(BATCH_MAX) {
+            batch.clear();
+            // SAFETY: the offsets were checked by the caller to lie inside the region.
+            batch.extend(
+                chunk
+                    .iter()
+                    .map(|&(host, dptr, len)| (unsafe { base.add(host) }, dptr, len)),
+            );
+            let to_host = direction == Direction::ToRegion;
+            // SAFETY: as for the single copies in `queue`.
+            unsafe {
+                self.api
+                    .copy_batch(to_host, &batch, self.ordinal, stream)
+                    .map_err(|e| gpu("cuMemcpyBatchAsync", e))?;
+            }
+        }
         Ok(())
     }
 

@@ -107,6 +107,23 @@ pub(super) trait Api: Send + Sync {
         len: usize,
         stream: sys::CUstream,
     ) -> Answer<()>;
+    /// Whether [`copy_batch`](Self::copy_batch) is there: the driver has
+    /// `cuMemcpyBatchAsync` (CUDA 12.8 and later).
+    fn batch_available(&self) -> bool;
+    /// `cuMemcpyBatchAsync`: queues every copy of `copies` (`(host, device, bytes)`, to the
+    /// host when `to_host`, else to the device of ordinal `ordinal`) on `stream` in one
+    /// call, each reading its source and writing its destination in stream order. After an
+    /// error, any prefix of the copies may have been queued.
+    ///
+    /// # Safety
+    /// As for [`copy_to_host`](Self::copy_to_host), for every copy.
+    unsafe fn copy_batch(
+        &self,
+        to_host: bool,
+        copies: &[(*mut u8, sys::CUdeviceptr, usize)],
+        ordinal: i32,
+        stream: sys::CUstream,
+    ) -> Answer<()>;
 }
 
 /// A device allocation, as the driver describes the address it was asked about.
@@ -134,8 +151,26 @@ fn attribute(attr: sys::CUpointer_attribute, dptr: sys::CUdeviceptr) -> Answer<u
     Ok(data)
 }
 
+/// `cuMemcpyBatchAsync` as CUDA 12.8 declares it (the driver keeps this symbol and its
+/// arguments in later releases).
+type BatchFn = unsafe extern "C" fn(
+    dsts: *mut sys::CUdeviceptr,
+    srcs: *mut sys::CUdeviceptr,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut sys::CUmemcpyAttributes,
+    attrs_idxs: *mut usize,
+    num_attrs: usize,
+    fail_idx: *mut usize,
+    stream: sys::CUstream,
+) -> sys::CUresult;
+
 /// The CUDA driver itself.
-pub(super) struct Real;
+pub(super) struct Real {
+    /// `cuMemcpyBatchAsync`, where the driver has it. Looked up here because cudarc's own
+    /// binding panics on a driver without the symbol.
+    batch: Option<BatchFn>,
+}
 
 impl Real {
     /// The driver, or a clear error where its library is absent (cudarc panics on the first
@@ -146,7 +181,12 @@ impl Real {
                 "the CUDA driver library (libcuda.so) was not found: this machine has no NVIDIA driver; use the host engine".into(),
             ));
         }
-        Ok(Real)
+        // SAFETY: the library is present (checked above); looking a symbol up calls nothing,
+        // and the symbol, where found, has the type `BatchFn` (CUDA 12.8's declaration).
+        let batch = unsafe { sys::culib().get::<BatchFn>(b"cuMemcpyBatchAsync\0") }
+            .ok()
+            .map(|f| *f);
+        Ok(Real { batch })
     }
 }
 
@@ -277,5 +317,76 @@ impl Api for Real {
     ) -> Answer<()> {
         // SAFETY: the caller's contract.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dev, host.cast(), len, stream) }.result()
+    }
+
+    fn batch_available(&self) -> bool {
+        self.batch.is_some()
+    }
+
+    unsafe fn copy_batch(
+        &self,
+        to_host: bool,
+        copies: &[(*mut u8, sys::CUdeviceptr, usize)],
+        ordinal: i32,
+        stream: sys::CUstream,
+    ) -> Answer<()> {
+        use sys::CUmemLocationType as L;
+        let batch = self
+            .batch
+            .ok_or(DriverError(sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED))?;
+        let host = sys::CUmemLocation {
+            type_: L::CU_MEM_LOCATION_TYPE_HOST,
+            id: 0,
+        };
+        let device = sys::CUmemLocation {
+            type_: L::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        };
+        let (src_hint, dst_hint) = if to_host {
+            (device, host)
+        } else {
+            (host, device)
+        };
+        // One set of attributes for every copy: each source is read in stream order, after
+        // the work queued before it (for a store, the compute stream's kernels, through the
+        // wait event). Letting a load read its source out of stream order
+        // (`CU_MEMCPY_SRC_ACCESS_ORDER_ANY`) was measured no faster (docs/performance.md).
+        let mut attrs = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: src_hint,
+            dstLocHint: dst_hint,
+            flags: 0,
+        };
+        let mut attrs_idx = 0usize;
+        let mut fail_idx = usize::MAX;
+        let (mut dsts, mut srcs, mut sizes) = (
+            Vec::with_capacity(copies.len()),
+            Vec::with_capacity(copies.len()),
+            Vec::with_capacity(copies.len()),
+        );
+        for &(h, d, len) in copies {
+            // With unified addressing a registered host address is also a device address.
+            let h = h as sys::CUdeviceptr;
+            let (dst, src) = if to_host { (h, d) } else { (d, h) };
+            dsts.push(dst);
+            srcs.push(src);
+            sizes.push(len);
+        }
+        // SAFETY: the arrays hold `copies.len()` entries each and outlive the call (the
+        // driver reads them during it); the copies' memory is the caller's contract.
+        unsafe {
+            batch(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                &raw mut attrs,
+                &raw mut attrs_idx,
+                1,
+                &raw mut fail_idx,
+                stream,
+            )
+        }
+        .result()
     }
 }

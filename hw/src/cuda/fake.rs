@@ -45,6 +45,7 @@ pub(super) enum Call {
     EventDestroy,
     CopyToHost,
     CopyToDevice,
+    CopyBatch,
 }
 
 /// Work queued on a stream.
@@ -89,6 +90,11 @@ struct State {
     kind: (bool, bool),
     /// Fail the next event record on one of the engine's streams with this error.
     fail_engine_record: Option<sys::CUresult>,
+    /// Whether the driver has `cuMemcpyBatchAsync` (by default it does not: a driver older
+    /// than CUDA 12.8).
+    batch: bool,
+    /// Make the next batch queue this many of its copies, then fail.
+    batch_fails_after: Option<usize>,
 }
 
 /// The fake driver.
@@ -123,12 +129,25 @@ impl Fake {
                 hold: false,
                 kind: (true, false),
                 fail_engine_record: None,
+                batch: false,
+                batch_fails_after: None,
             }),
         }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Gives the driver `cuMemcpyBatchAsync` (CUDA 12.8 and later), or takes it away.
+    pub(super) fn set_batch(&self, batch: bool) {
+        self.state().batch = batch;
+    }
+
+    /// Makes the next batched copy queue its first `queued` copies and then fail, as a real
+    /// driver may.
+    pub(super) fn fail_next_batch_after(&self, queued: usize) {
+        self.state().batch_fails_after = Some(queued);
     }
 
     /// Makes the `n`th call of `call` (counted from 1 since the fake was made) fail with `code`.
@@ -560,5 +579,42 @@ impl Api for Fake {
                 len,
             },
         )
+    }
+
+    fn batch_available(&self) -> bool {
+        self.state().batch
+    }
+
+    unsafe fn copy_batch(
+        &self,
+        to_host: bool,
+        copies: &[(*mut u8, sys::CUdeviceptr, usize)],
+        _ordinal: i32,
+        stream: sys::CUstream,
+    ) -> Answer<()> {
+        let mut s = self.state();
+        s.enter_in_ctx(Call::CopyBatch)?;
+        if !s.batch {
+            return Err(err(E::CUDA_ERROR_NOT_SUPPORTED));
+        }
+        let fails_after = s.batch_fails_after.take();
+        for (i, &(host, dev, len)) in copies.iter().enumerate() {
+            if fails_after == Some(i) {
+                return Err(err(E::CUDA_ERROR_INVALID_VALUE));
+            }
+            s.queue_copy(
+                stream,
+                Op::Copy {
+                    to_host,
+                    host: host.expose_provenance(),
+                    dev,
+                    len,
+                },
+            )?;
+        }
+        match fails_after {
+            Some(_) => Err(err(E::CUDA_ERROR_INVALID_VALUE)),
+            None => Ok(()),
+        }
     }
 }

@@ -24,7 +24,11 @@ struct Rig {
 
 /// A region of `rows` rows for `workers` workers, and a fake GPU with `device_blocks` blocks.
 fn rig(rows: u32, workers: u16, device_blocks: usize) -> Rig {
-    let dir = tempfile::tempdir().unwrap();
+    rig_in(tempfile::tempdir().unwrap(), rows, workers, device_blocks)
+}
+
+/// [`rig`] with its region in `dir`.
+fn rig_in(dir: tempfile::TempDir, rows: u32, workers: u16, device_blocks: usize) -> Rig {
     let layout = Layout::new(rows, workers, BLOCK).unwrap();
     let region = Arc::new(Region::create(&dir.path().join("region"), layout, 1).unwrap());
     Rig {
@@ -254,6 +258,36 @@ fn a_failed_new_leaves_nothing_behind() {
     }
 }
 
+/// The kernel refuses to pin a file region that is not in memory: the error names the
+/// region's file and what to do; for a region in memory it is the driver's error alone.
+#[test]
+fn a_refused_pin_says_why_where_the_regions_filesystem_explains_it() {
+    use nix::sys::statfs::{TMPFS_MAGIC, statfs};
+    let on_disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let in_memory = tempfile::tempdir_in("/dev/shm").ok();
+    let disk_is_memory = statfs(on_disk.path()).unwrap().filesystem_type() == TMPFS_MAGIC;
+    for (dir, hint) in [(Some(on_disk), !disk_is_memory), (in_memory, false)] {
+        let Some(dir) = dir else { continue };
+        let r = rig_in(dir, 4, 1, 2);
+        r.fake
+            .fail_nth(Call::Register, 1, cudaError_enum::CUDA_ERROR_INVALID_VALUE);
+        let err = r.engine(0).unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "GPU: cuMemHostRegister (pinning the region): CUDA_ERROR_INVALID_VALUE"
+            ),
+            "{err}"
+        );
+        assert_eq!(err.contains("put the region under /dev/shm"), hint, "{err}");
+        if hint {
+            assert!(
+                err.contains(&r.region.path().display().to_string()),
+                "{err}"
+            );
+        }
+    }
+}
+
 /// Dropping an engine with copies still queued lets them end, then gives everything back.
 #[test]
 fn dropping_the_engine_gives_everything_back() {
@@ -342,10 +376,7 @@ fn engines_over_one_region_share_its_registration() {
 /// it names are not reused under a late DMA.
 #[test]
 fn a_copy_failing_after_others_were_queued_ends_through_poll() {
-    let r = rig(4, 1, 3);
-    for b in 0..3 {
-        r.fake.device_write(b * BLOCK, &pattern(b as u8));
-    }
+    let r = rig_with_patterns();
     let mut engine = r.engine(0).unwrap();
     r.fake.hold(true);
     r.fake.fail_nth(
@@ -353,15 +384,9 @@ fn a_copy_failing_after_others_were_queued_ends_through_poll() {
         2,
         cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS,
     );
+    // Not adjacent on the device, so not merged into one copy.
     engine
-        .submit(
-            job(
-                4,
-                Direction::ToRegion,
-                &[(0, 0), (1, BLOCK), (2, 2 * BLOCK)],
-            ),
-            &r.done,
-        )
+        .submit(job(4, Direction::ToRegion, SCATTERED), &r.done)
         .expect("a job with queued copies ends through poll");
     let ends = r.settle(&mut engine);
     assert!(matches!(ends[..], [(TransferId(4), Err(_))]), "{ends:?}");
@@ -372,9 +397,200 @@ fn a_copy_failing_after_others_were_queued_ends_through_poll() {
         "reported while a copy was queued"
     );
     assert!(
-        r.sub_slot(0, 0) == pattern(0),
+        r.sub_slot(0, 0) == pattern(1),
         "the queued copy ran before the report"
     );
+}
+
+/// Slots 0, 1 and 2 from device blocks 1, 0 and 2: adjacent in the region, not on the
+/// device, so three copies.
+const SCATTERED: &[(u32, usize)] = &[(0, BLOCK), (1, 0), (2, 2 * BLOCK)];
+
+/// A rig of 4 slots and 3 device blocks, block `b` holding `pattern(b)`.
+fn rig_with_patterns() -> Rig {
+    let r = rig(4, 1, 3);
+    for b in 0..3 {
+        r.fake.device_write(b * BLOCK, &pattern(b as u8));
+    }
+    r
+}
+
+/// Whether slots 0, 1 and 2 hold what `SCATTERED` copied into them.
+fn holds_scattered(r: &Rig) -> bool {
+    r.sub_slot(0, 0) == pattern(1)
+        && r.sub_slot(1, 0) == pattern(0)
+        && r.sub_slot(2, 0) == pattern(2)
+}
+
+/// Blocks adjacent both in the region and on the device are one copy, in either direction,
+/// and the bytes land as if copied one by one.
+#[test]
+fn adjacent_blocks_are_one_copy() {
+    let r = rig_with_patterns();
+    let mut engine = r.engine(0).unwrap();
+    engine
+        .submit(
+            job(
+                1,
+                Direction::ToRegion,
+                &[(1, 0), (2, BLOCK), (3, 2 * BLOCK)],
+            ),
+            &r.done,
+        )
+        .unwrap();
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(1), Ok(()))]
+    ));
+    assert_eq!(
+        r.fake.calls(Call::CopyToHost),
+        1,
+        "three adjacent blocks, one copy"
+    );
+    for b in 0..3u32 {
+        assert!(r.sub_slot(b + 1, 0) == pattern(b as u8), "slot {}", b + 1);
+    }
+    r.fake.device_write(0, &vec![0; 3 * BLOCK]);
+    // Adjacent pairs (1, 2) and (3 → block 0) are not: two copies.
+    engine
+        .submit(
+            job(
+                2,
+                Direction::ToDevice,
+                &[(1, BLOCK), (2, 2 * BLOCK), (3, 0)],
+            ),
+            &r.done,
+        )
+        .unwrap();
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(2), Ok(()))]
+    ));
+    assert_eq!(r.fake.calls(Call::CopyToDevice), 2);
+    assert_eq!(
+        r.fake.device_read(0, 3 * BLOCK),
+        [pattern(2), pattern(0), pattern(1)].concat()
+    );
+}
+
+/// Where the driver has `cuMemcpyBatchAsync`, a transfer's copies go to it in one call,
+/// each direction, and the bytes land as copied one by one.
+#[test]
+fn a_transfer_is_one_batched_call_where_the_driver_has_it() {
+    let r = rig_with_patterns();
+    r.fake.set_batch(true);
+    let mut engine = r.engine(0).unwrap();
+    engine
+        .submit(job(1, Direction::ToRegion, SCATTERED), &r.done)
+        .unwrap();
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(1), Ok(()))]
+    ));
+    assert!(holds_scattered(&r));
+    r.fake.device_write(0, &vec![0; 3 * BLOCK]);
+    engine
+        .submit(job(2, Direction::ToDevice, SCATTERED), &r.done)
+        .unwrap();
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(2), Ok(()))]
+    ));
+    for b in 0..3 {
+        assert!(
+            r.fake.device_read(b * BLOCK, BLOCK) == pattern(b as u8),
+            "block {b}"
+        );
+    }
+    assert_eq!(r.fake.calls(Call::CopyBatch), 2);
+    assert_eq!(
+        r.fake.calls(Call::CopyToHost) + r.fake.calls(Call::CopyToDevice),
+        0
+    );
+}
+
+/// A batch that fails part way (some of its copies queued): the transfer's copies are all
+/// queued again one by one (the same bytes to the same places, on the same stream), the
+/// transfer succeeds, and later transfers copy one by one.
+#[test]
+fn a_batch_failing_part_way_falls_back_to_single_copies() {
+    let r = rig_with_patterns();
+    r.fake.set_batch(true);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    r.fake.fail_next_batch_after(1);
+    engine
+        .submit(job(1, Direction::ToRegion, SCATTERED), &r.done)
+        .unwrap();
+    assert_eq!(
+        r.fake.pending_copies(),
+        4,
+        "the batch's first copy, then all three"
+    );
+    r.fake.hold(false);
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(1), Ok(()))]
+    ));
+    assert!(holds_scattered(&r));
+    assert_eq!(r.fake.calls(Call::CopyToHost), 3);
+    engine
+        .submit(job(2, Direction::ToRegion, SCATTERED), &r.done)
+        .unwrap();
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(2), Ok(()))]
+    ));
+    assert_eq!(
+        r.fake.calls(Call::CopyBatch),
+        1,
+        "batching stays off after a failure"
+    );
+    assert_eq!(r.fake.calls(Call::CopyToHost), 6);
+}
+
+/// A batch fails part way and then the first single copy fails too: copies of the job may
+/// be queued, so it is not refused; it ends, failed, through poll once they have run.
+#[test]
+fn a_failed_batch_then_a_failed_copy_ends_through_poll() {
+    let r = rig_with_patterns();
+    r.fake.set_batch(true);
+    let mut engine = r.engine(0).unwrap();
+    r.fake.hold(true);
+    r.fake.fail_next_batch_after(2);
+    r.fake.fail_nth(
+        Call::CopyToHost,
+        1,
+        cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS,
+    );
+    engine
+        .submit(job(3, Direction::ToRegion, SCATTERED), &r.done)
+        .expect("copies of the batch may be queued: the job ends through poll");
+    let ends = r.settle(&mut engine);
+    assert!(matches!(ends[..], [(TransferId(3), Err(_))]), "{ends:?}");
+    assert_eq!(
+        r.fake.pending_copies(),
+        0,
+        "reported while a copy was queued"
+    );
+}
+
+/// A single copy never goes through the batch call.
+#[test]
+fn a_single_copy_is_not_batched() {
+    let r = rig_with_patterns();
+    r.fake.set_batch(true);
+    let mut engine = r.engine(0).unwrap();
+    engine
+        .submit(job(1, Direction::ToRegion, &[(2, BLOCK)]), &r.done)
+        .unwrap();
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(1), Ok(()))]
+    ));
+    assert_eq!(r.fake.calls(Call::CopyBatch), 0);
+    assert_eq!(r.fake.calls(Call::CopyToHost), 1);
+    assert!(r.sub_slot(2, 0) == pattern(1));
 }
 
 /// The job's event cannot be recorded after its copies were queued: as above.
