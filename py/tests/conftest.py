@@ -19,6 +19,11 @@ sys.path.insert(0, str(ROOT / "model" / "oracle"))
 
 import vllm_oracle  # noqa: E402
 
+# The oracle puts a stand-in for torch first on ``sys.path``. The GPU tests need the real one:
+# imported first, it is the ``torch`` every later import gets.
+if os.environ.get("KVTIER_GPU_TESTS") == "1":
+    import torch  # noqa: F401
+
 try:
     VLLM = vllm_oracle.load_vllm()
     VLLM_ERROR = None

@@ -66,3 +66,95 @@ def test_cuda_tensors_round_trip_through_the_region(region_dir):
     finally:
         worker.shutdown()
         manager.shutdown()
+
+
+def _one_tensor_cache(torch, blocks: int, page: int, region_dir):
+    """A KV cache of one CUDA tensor of ``blocks`` pages, with kvtier's manager and worker
+    over a primary of ``blocks`` slots."""
+    t = torch.zeros((blocks, page), dtype=torch.uint8, device="cuda")
+    caches = base.CanonicalKVCaches(
+        tensors=[base.CanonicalKVCacheTensor(tensor=t, page_size_bytes=page)],
+        group_data_refs=[[base.CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
+    )
+    settings = kv.Settings(
+        num_blocks=blocks, region_path=str(region_dir / "region"), block_bytes_per_worker=page
+    )
+    manager = kv.KvtierOffloadingManager(settings, prefault_threads=1)
+    worker = kv.KvtierOffloadingWorker(caches, settings)
+    return t, manager, worker
+
+
+def _store(manager, worker, job: int, keys, ctx, blocks: list[int]) -> None:
+    """Stores GPU ``blocks`` under ``keys`` and waits for the store to end."""
+    out = manager.prepare_store(keys, ctx)
+    spec = base.GPULoadStoreSpec(blocks, [len(blocks)], [0])
+    assert worker.submit_store(job, spec, out.store_spec)
+    worker.wait({job})
+    assert [r.success for r in worker.get_finished()] == [True]
+    manager.complete_store(keys, ctx)
+
+
+def _load(manager, worker, job: int, keys, ctx, blocks: list[int]) -> None:
+    """Loads ``keys`` into GPU ``blocks`` and waits for the load to end."""
+    src = manager.prepare_load(keys, ctx)
+    assert worker.submit_load(job, src, base.GPULoadStoreSpec(blocks, [len(blocks)], [0]))
+    worker.wait({job})
+    assert [r.success for r in worker.get_finished()] == [True]
+    manager.complete_load(keys, ctx)
+
+
+# About a tenth of a second of GPU time on the current stream (torch.cuda._sleep spins for a
+# number of clock cycles), long enough that a copy not ordered after it would run first.
+SPIN_CYCLES = 200_000_000
+
+
+@pytest.mark.skipif(not GPU, reason="GPU tests run with KVTIER_GPU_TESTS=1")
+def test_a_store_copies_what_the_kernels_queued_before_it_wrote(region_dir):
+    """A store is ordered after the work queued on the current stream when it is submitted:
+    it copies the blocks as those kernels leave them, not as they were."""
+    import torch
+
+    t, manager, worker = _one_tensor_cache(torch, 8, 1 << 20, region_dir)
+    try:
+        ctx = base.ReqContext(req_id="s")
+        manager.on_new_request(ctx)
+        keys = [b"s0", b"s1", b"s2"]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+        t[0:3].fill_(7)  # queued behind the spin: not yet run when the store is submitted
+        _store(manager, worker, 1, keys, ctx, [0, 1, 2])
+        torch.cuda.synchronize()
+        t.zero_()
+        _load(manager, worker, 2, keys, ctx, [4, 5, 6])
+        torch.cuda.synchronize()
+        assert bool((t[4:7] == 7).all()), "the store ran before the kernel that wrote its blocks"
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
+@pytest.mark.skipif(not GPU, reason="GPU tests run with KVTIER_GPU_TESTS=1")
+def test_a_load_waits_for_the_kernels_that_read_the_blocks_it_overwrites(region_dir):
+    """A load is ordered after the work queued on the current stream when it is submitted: a
+    kernel queued before it still reads the blocks' old contents."""
+    import torch
+
+    t, manager, worker = _one_tensor_cache(torch, 8, 1 << 20, region_dir)
+    try:
+        ctx = base.ReqContext(req_id="l")
+        manager.on_new_request(ctx)
+        keys = [b"l0", b"l1", b"l2"]
+        t[0:3].fill_(9)
+        torch.cuda.synchronize()
+        _store(manager, worker, 1, keys, ctx, [0, 1, 2])
+
+        t[4:7].fill_(3)
+        torch.cuda._sleep(SPIN_CYCLES)
+        before = t[4:7].clone()  # queued behind the spin: reads the blocks the load overwrites
+        _load(manager, worker, 2, keys, ctx, [4, 5, 6])
+        torch.cuda.synchronize()
+        assert bool((before == 3).all()), "the load overwrote blocks a queued kernel still read"
+        assert bool((t[4:7] == 9).all())
+    finally:
+        worker.shutdown()
+        manager.shutdown()
