@@ -145,8 +145,9 @@ fn check_device_memory(
     Ok(())
 }
 
-/// The most copies handed to one `cuMemcpyBatchAsync` call.
-const BATCH_MAX: usize = 4096;
+/// The most copies handed to one `cuMemcpyBatchAsync` call (two in the unit tests, so that
+/// their transfers of three copies take two calls).
+const BATCH_MAX: usize = if cfg!(test) { 2 } else { 4096 };
 
 /// `copies` (`(region offset, device address, bytes)`) with each run of copies that are
 /// adjacent on both sides (the next starts where the last ended, in the region and on the
@@ -165,6 +166,23 @@ fn coalesce(copies: &[(usize, sys::CUdeviceptr, usize)]) -> Vec<(usize, sys::CUd
         out.push((host, dptr, len));
     }
     out
+}
+
+/// Whether two of `copies` write overlapping bytes (region bytes for a copy to the region,
+/// device bytes for a copy to the device).
+fn destinations_overlap(copies: &[(usize, sys::CUdeviceptr, usize)], direction: Direction) -> bool {
+    let mut ranges: Vec<(u64, u64)> = copies
+        .iter()
+        .map(|&(host, dptr, len)| {
+            let start = match direction {
+                Direction::ToRegion => host as u64,
+                Direction::ToDevice => dptr,
+            };
+            (start, start + len as u64)
+        })
+        .collect();
+    ranges.sort_unstable();
+    ranges.windows(2).any(|w| w[1].0 < w[0].1)
 }
 
 /// A retained primary context, released when the last holder drops it.
@@ -244,20 +262,22 @@ fn registry() -> std::sync::MutexGuard<'static, BTreeMap<usize, Registered>> {
     REGISTRY.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Why the region at `path` cannot be pinned, where its filesystem explains it: Linux (6.5
-/// and later) refuses to pin writable shared mappings of files for DMA unless they are in
-/// memory (tmpfs, hugetlbfs). An anonymous region (`@NAME`, a memfd) is always pinnable.
+/// Why the region at `path` may not be pinnable, where its filesystem explains it: Linux (6.5
+/// and later) refuses to pin writable shared mappings of files for DMA unless they need no
+/// writeback (tmpfs, hugetlbfs, ramfs). An anonymous region (`@NAME`, a memfd) is always
+/// pinnable.
 fn unpinnable(path: &std::path::Path) -> Option<String> {
-    use nix::sys::statfs::{HUGETLBFS_MAGIC, TMPFS_MAGIC, statfs};
+    use nix::sys::statfs::{FsType, HUGETLBFS_MAGIC, TMPFS_MAGIC, statfs};
+    const RAMFS_MAGIC: FsType = FsType(0x8584_58f6);
     if path.as_os_str().as_encoded_bytes().starts_with(b"@") {
         return None;
     }
     let fs = statfs(path).ok()?.filesystem_type();
-    (fs != TMPFS_MAGIC && fs != HUGETLBFS_MAGIC).then(|| {
+    (![TMPFS_MAGIC, HUGETLBFS_MAGIC, RAMFS_MAGIC].contains(&fs)).then(|| {
         format!(
-            "the region's file {} is not on tmpfs or hugetlbfs, and the kernel refuses to pin \
-             shared file mappings of other filesystems for DMA: put the region under /dev/shm, \
-             or use an anonymous region",
+            "the region's file {} is not on tmpfs or hugetlbfs, which may be why: Linux 6.5 and \
+             later refuse to pin shared file mappings of other filesystems for DMA; put the \
+             region under /dev/shm, or use an anonymous region",
             path.display()
         )
     })
@@ -286,7 +306,10 @@ impl Registration {
                 // `Arc` every `Registration` holds until the last one unregisters it.
                 unsafe { ctx.api.register(ptr, len) }.map_err(|e| {
                     let error = format!("cuMemHostRegister (pinning the region): {:?}", e.0);
-                    EngineError::Gpu(match unpinnable(region.path()) {
+                    let why = (e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE)
+                        .then(|| unpinnable(region.path()))
+                        .flatten();
+                    EngineError::Gpu(match why {
                         Some(why) => format!("{error}: {why}"),
                         None => error,
                     })
@@ -679,7 +702,9 @@ impl CudaEngine {
         // Whether copies of this job may already be queued (by a batch that failed part way).
         let mut queued = false;
         let mut sent = false;
-        if self.batch && copies.len() > 1 {
+        // The copies of one batch may run in any order: destinations that overlap (which no
+        // caller should give) are copied one by one, in order, as before batching.
+        if self.batch && copies.len() > 1 && !destinations_overlap(&copies, direction) {
             match self.queue_batch(direction, &copies, stream) {
                 Ok(()) => sent = true,
                 Err(e) => {

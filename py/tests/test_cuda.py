@@ -103,6 +103,19 @@ def _load(manager, worker, job: int, keys, ctx, blocks: list[int]) -> None:
     manager.complete_load(keys, ctx)
 
 
+# Device blocks that are not neighbours: a fresh primary hands out neighbouring slots, so
+# these are not merged into one copy, and a driver with cuMemcpyBatchAsync gets one batch.
+STORED = [0, 2, 4]
+LOADED = [9, 11, 13]
+
+
+def _warm_up(manager, worker, ctx) -> None:
+    """One store and load first, so the engine (made at the first transfer, with calls that
+    may synchronize the device) exists before a test queues its spin."""
+    _store(manager, worker, 100, [b"warm"], ctx, [15])
+    _load(manager, worker, 101, [b"warm"], ctx, [15])
+
+
 # About a tenth of a second of GPU time on the current stream (torch.cuda._sleep spins for a
 # number of clock cycles), long enough that a copy not ordered after it would run first.
 SPIN_CYCLES = 200_000_000
@@ -114,20 +127,21 @@ def test_a_store_copies_what_the_kernels_queued_before_it_wrote(region_dir):
     it copies the blocks as those kernels leave them, not as they were."""
     import torch
 
-    t, manager, worker = _one_tensor_cache(torch, 8, 1 << 20, region_dir)
+    t, manager, worker = _one_tensor_cache(torch, 16, 1 << 20, region_dir)
     try:
         ctx = base.ReqContext(req_id="s")
         manager.on_new_request(ctx)
+        _warm_up(manager, worker, ctx)
         keys = [b"s0", b"s1", b"s2"]
         torch.cuda.synchronize()
         torch.cuda._sleep(SPIN_CYCLES)
-        t[0:3].fill_(7)  # queued behind the spin: not yet run when the store is submitted
-        _store(manager, worker, 1, keys, ctx, [0, 1, 2])
+        t[STORED] = 7  # queued behind the spin: not yet run when the store is submitted
+        _store(manager, worker, 1, keys, ctx, STORED)
         torch.cuda.synchronize()
         t.zero_()
-        _load(manager, worker, 2, keys, ctx, [4, 5, 6])
+        _load(manager, worker, 2, keys, ctx, LOADED)
         torch.cuda.synchronize()
-        assert bool((t[4:7] == 7).all()), "the store ran before the kernel that wrote its blocks"
+        assert bool((t[LOADED] == 7).all()), "the store ran before the kernel that wrote its blocks"
     finally:
         worker.shutdown()
         manager.shutdown()
@@ -139,22 +153,23 @@ def test_a_load_waits_for_the_kernels_that_read_the_blocks_it_overwrites(region_
     kernel queued before it still reads the blocks' old contents."""
     import torch
 
-    t, manager, worker = _one_tensor_cache(torch, 8, 1 << 20, region_dir)
+    t, manager, worker = _one_tensor_cache(torch, 16, 1 << 20, region_dir)
     try:
         ctx = base.ReqContext(req_id="l")
         manager.on_new_request(ctx)
+        _warm_up(manager, worker, ctx)
         keys = [b"l0", b"l1", b"l2"]
-        t[0:3].fill_(9)
+        t[STORED] = 9
         torch.cuda.synchronize()
-        _store(manager, worker, 1, keys, ctx, [0, 1, 2])
+        _store(manager, worker, 1, keys, ctx, STORED)
 
-        t[4:7].fill_(3)
+        t[LOADED] = 3
         torch.cuda._sleep(SPIN_CYCLES)
-        before = t[4:7].clone()  # queued behind the spin: reads the blocks the load overwrites
-        _load(manager, worker, 2, keys, ctx, [4, 5, 6])
+        before = t[LOADED]  # queued behind the spin: reads the blocks the load overwrites
+        _load(manager, worker, 2, keys, ctx, LOADED)
         torch.cuda.synchronize()
         assert bool((before == 3).all()), "the load overwrote blocks a queued kernel still read"
-        assert bool((t[4:7] == 9).all())
+        assert bool((t[LOADED] == 9).all())
     finally:
         worker.shutdown()
         manager.shutdown()

@@ -258,8 +258,9 @@ fn a_failed_new_leaves_nothing_behind() {
     }
 }
 
-/// The kernel refuses to pin a file region that is not in memory: the error names the
-/// region's file and what to do; for a region in memory it is the driver's error alone.
+/// The kernel refuses to pin a file region that is not in memory (the driver answers
+/// `CUDA_ERROR_INVALID_VALUE`): the error names the region's file and what to do; for a
+/// region in memory, or another error, it is the driver's error alone.
 #[test]
 fn a_refused_pin_says_why_where_the_regions_filesystem_explains_it() {
     use nix::sys::statfs::{TMPFS_MAGIC, statfs};
@@ -285,6 +286,11 @@ fn a_refused_pin_says_why_where_the_regions_filesystem_explains_it() {
                 "{err}"
             );
         }
+        // Another error is not the kernel's refusal: no reason is guessed.
+        r.fake
+            .fail_nth(Call::Register, 2, cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY);
+        let err = r.engine(0).unwrap_err().to_string();
+        assert!(err.ends_with("CUDA_ERROR_OUT_OF_MEMORY"), "{err}");
     }
 }
 
@@ -415,6 +421,22 @@ fn rig_with_patterns() -> Rig {
     r
 }
 
+/// Submits `job` and settles the engine: the job's end, the only one, is a success.
+fn run_ok(r: &Rig, engine: &mut CudaEngine, job: CopyJob) {
+    let id = job.id;
+    engine.submit(job, &r.done).unwrap();
+    let ends = r.settle(engine);
+    assert!(matches!(ends[..], [(end, Ok(()))] if end == id), "{ends:?}");
+}
+
+/// [`rig_with_patterns`] on a driver with `cuMemcpyBatchAsync`, and its engine.
+fn batching_rig() -> (Rig, CudaEngine) {
+    let r = rig_with_patterns();
+    r.fake.set_batch(true);
+    let engine = r.engine(0).unwrap();
+    (r, engine)
+}
+
 /// Whether slots 0, 1 and 2 hold what `SCATTERED` copied into them.
 fn holds_scattered(r: &Rig) -> bool {
     r.sub_slot(0, 0) == pattern(1)
@@ -471,42 +493,117 @@ fn adjacent_blocks_are_one_copy() {
         r.fake.device_read(0, 3 * BLOCK),
         [pattern(2), pattern(0), pattern(1)].concat()
     );
+    // Adjacent on the device (blocks 0, 1) but not in the region (slots 3, 1): two copies.
+    let copies = r.fake.calls(Call::CopyToHost);
+    run_ok(
+        &r,
+        &mut engine,
+        job(3, Direction::ToRegion, &[(3, 0), (1, BLOCK)]),
+    );
+    assert_eq!(r.fake.calls(Call::CopyToHost), copies + 2);
+    assert!(r.sub_slot(3, 0) == pattern(2) && r.sub_slot(1, 0) == pattern(0));
 }
 
-/// Where the driver has `cuMemcpyBatchAsync`, a transfer's copies go to it in one call,
-/// each direction, and the bytes land as copied one by one.
+/// Where the driver has `cuMemcpyBatchAsync`, a transfer's copies go to it in batched calls
+/// (of at most `BATCH_MAX`, two here: three copies take two calls), each direction, and the
+/// bytes land as copied one by one.
 #[test]
-fn a_transfer_is_one_batched_call_where_the_driver_has_it() {
-    let r = rig_with_patterns();
-    r.fake.set_batch(true);
-    let mut engine = r.engine(0).unwrap();
-    engine
-        .submit(job(1, Direction::ToRegion, SCATTERED), &r.done)
-        .unwrap();
-    assert!(matches!(
-        r.settle(&mut engine)[..],
-        [(TransferId(1), Ok(()))]
-    ));
+fn a_transfers_copies_go_in_batched_calls_where_the_driver_has_them() {
+    let (r, mut engine) = batching_rig();
+    run_ok(&r, &mut engine, job(1, Direction::ToRegion, SCATTERED));
     assert!(holds_scattered(&r));
     r.fake.device_write(0, &vec![0; 3 * BLOCK]);
-    engine
-        .submit(job(2, Direction::ToDevice, SCATTERED), &r.done)
-        .unwrap();
-    assert!(matches!(
-        r.settle(&mut engine)[..],
-        [(TransferId(2), Ok(()))]
-    ));
+    run_ok(&r, &mut engine, job(2, Direction::ToDevice, SCATTERED));
     for b in 0..3 {
         assert!(
             r.fake.device_read(b * BLOCK, BLOCK) == pattern(b as u8),
             "block {b}"
         );
     }
-    assert_eq!(r.fake.calls(Call::CopyBatch), 2);
+    assert_eq!(r.fake.calls(Call::CopyBatch), 4);
     assert_eq!(
         r.fake.calls(Call::CopyToHost) + r.fake.calls(Call::CopyToDevice),
         0
     );
+}
+
+/// The second batched call of a transfer fails (the first was queued): every copy is queued
+/// again one by one and the bytes land.
+#[test]
+fn a_failing_second_batch_falls_back_to_single_copies() {
+    let (r, mut engine) = batching_rig();
+    r.fake
+        .fail_nth(Call::CopyBatch, 2, cudaError_enum::CUDA_ERROR_INVALID_VALUE);
+    run_ok(&r, &mut engine, job(1, Direction::ToRegion, SCATTERED));
+    assert!(holds_scattered(&r));
+    assert_eq!(r.fake.calls(Call::CopyToHost), 3);
+}
+
+/// Copies whose destinations overlap (which no caller should give) are not batched, whose
+/// copies may run in any order: they run one by one, in order, and the last one wins.
+#[test]
+fn overlapping_destinations_are_copied_one_by_one_in_order() {
+    let (r, mut engine) = batching_rig();
+    engine
+        .submit(job(1, Direction::ToRegion, SCATTERED), &r.done)
+        .unwrap();
+    assert_eq!(r.settle(&mut engine).len(), 1);
+    let batches = r.fake.calls(Call::CopyBatch);
+    // Slots 0 and 2 both to device block 1.
+    engine
+        .submit(
+            job(2, Direction::ToDevice, &[(0, BLOCK), (2, BLOCK)]),
+            &r.done,
+        )
+        .unwrap();
+    assert!(matches!(
+        r.settle(&mut engine)[..],
+        [(TransferId(2), Ok(()))]
+    ));
+    assert_eq!(r.fake.calls(Call::CopyBatch), batches, "not batched");
+    assert_eq!(r.fake.calls(Call::CopyToDevice), 2);
+    assert!(
+        r.fake.device_read(BLOCK, BLOCK) == pattern(2),
+        "the last copy wins"
+    );
+}
+
+/// `coalesce` merges a copy into the one before it only where both its region offset and
+/// its device address continue that copy.
+#[test]
+fn coalesce_merges_only_copies_adjacent_on_both_sides() {
+    use super::coalesce;
+    let b = BLOCK;
+    let d = DEVICE_BASE;
+    let bu = b as u64;
+    // Both sides adjacent: one copy.
+    assert_eq!(coalesce(&[(0, d, b), (b, d + bu, b)]), [(0, d, 2 * b)]);
+    // Adjacent on the device only, or in the region only: two copies.
+    assert_eq!(
+        coalesce(&[(2 * b, d, b), (0, d + bu, b)]),
+        [(2 * b, d, b), (0, d + bu, b)]
+    );
+    assert_eq!(
+        coalesce(&[(0, d + 2 * bu, b), (b, d, b)]),
+        [(0, d + 2 * bu, b), (b, d, b)]
+    );
+    // Descending on both sides: the second does not continue the first.
+    assert_eq!(
+        coalesce(&[(b, d + bu, b), (0, d, b)]),
+        [(b, d + bu, b), (0, d, b)]
+    );
+    // A run of three, then a break, then a run of two.
+    assert_eq!(
+        coalesce(&[
+            (0, d, b),
+            (b, d + bu, b),
+            (2 * b, d + 2 * bu, b),
+            (5 * b, d + 9 * bu, b),
+            (6 * b, d + 10 * bu, b),
+        ]),
+        [(0, d, 3 * b), (5 * b, d + 9 * bu, 2 * b)]
+    );
+    assert_eq!(coalesce(&[]), []);
 }
 
 /// A batch that fails part way (some of its copies queued): the transfer's copies are all
@@ -514,9 +611,7 @@ fn a_transfer_is_one_batched_call_where_the_driver_has_it() {
 /// transfer succeeds, and later transfers copy one by one.
 #[test]
 fn a_batch_failing_part_way_falls_back_to_single_copies() {
-    let r = rig_with_patterns();
-    r.fake.set_batch(true);
-    let mut engine = r.engine(0).unwrap();
+    let (r, mut engine) = batching_rig();
     r.fake.hold(true);
     r.fake.fail_next_batch_after(1);
     engine
@@ -534,13 +629,7 @@ fn a_batch_failing_part_way_falls_back_to_single_copies() {
     ));
     assert!(holds_scattered(&r));
     assert_eq!(r.fake.calls(Call::CopyToHost), 3);
-    engine
-        .submit(job(2, Direction::ToRegion, SCATTERED), &r.done)
-        .unwrap();
-    assert!(matches!(
-        r.settle(&mut engine)[..],
-        [(TransferId(2), Ok(()))]
-    ));
+    run_ok(&r, &mut engine, job(2, Direction::ToRegion, SCATTERED));
     assert_eq!(
         r.fake.calls(Call::CopyBatch),
         1,
@@ -553,9 +642,7 @@ fn a_batch_failing_part_way_falls_back_to_single_copies() {
 /// be queued, so it is not refused; it ends, failed, through poll once they have run.
 #[test]
 fn a_failed_batch_then_a_failed_copy_ends_through_poll() {
-    let r = rig_with_patterns();
-    r.fake.set_batch(true);
-    let mut engine = r.engine(0).unwrap();
+    let (r, mut engine) = batching_rig();
     r.fake.hold(true);
     r.fake.fail_next_batch_after(2);
     r.fake.fail_nth(
@@ -578,16 +665,8 @@ fn a_failed_batch_then_a_failed_copy_ends_through_poll() {
 /// A single copy never goes through the batch call.
 #[test]
 fn a_single_copy_is_not_batched() {
-    let r = rig_with_patterns();
-    r.fake.set_batch(true);
-    let mut engine = r.engine(0).unwrap();
-    engine
-        .submit(job(1, Direction::ToRegion, &[(2, BLOCK)]), &r.done)
-        .unwrap();
-    assert!(matches!(
-        r.settle(&mut engine)[..],
-        [(TransferId(1), Ok(()))]
-    ));
+    let (r, mut engine) = batching_rig();
+    run_ok(&r, &mut engine, job(1, Direction::ToRegion, &[(2, BLOCK)]));
     assert_eq!(r.fake.calls(Call::CopyBatch), 0);
     assert_eq!(r.fake.calls(Call::CopyToHost), 1);
     assert!(r.sub_slot(2, 0) == pattern(1));
