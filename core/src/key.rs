@@ -205,10 +205,16 @@ impl AsRef<[u8]> for Key {
 impl fmt::Display for Key {
     /// Hex of the first 8 bytes, then `…` if the key is longer.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let bytes = self.as_bytes();
-        for b in bytes.iter().take(8) {
-            write!(f, "{b:02x}")?;
+        let mut hex = [0u8; 16];
+        let shown = bytes.len().min(8);
+        for (i, b) in bytes[..shown].iter().enumerate() {
+            hex[2 * i] = HEX[usize::from(b >> 4)];
+            hex[2 * i + 1] = HEX[usize::from(b & 0xf)];
         }
+        // Only ASCII hex digits were written.
+        f.write_str(core::str::from_utf8(&hex[..2 * shown]).map_err(|_| fmt::Error)?)?;
         if bytes.len() > 8 {
             f.write_str("…")?;
         }

@@ -1116,7 +1116,9 @@ impl Primary {
             }
         }
         let _ = write!(out, "fresh={} free={:?} ", self.next_fresh, self.free);
-        let name = |s: u32| alloc::format!("{}", SlotId(s).0);
+        let name = |out: &mut String, s: u32| {
+            let _ = write!(out, "{}", SlotId(s).0);
+        };
         self.policy.write_canonical(out, &name);
         if let Some(r) = &self.reuse {
             out.push_str(" seen[");

@@ -512,9 +512,11 @@ impl TierIndex {
         for (k, s) in held {
             let _ = write!(out, "{k}:{s:?};");
         }
-        let name = |id: u32| match self.key_of(id) {
-            Some(k) => alloc::format!("{k}"),
-            None => alloc::string::String::from("?"),
+        let name = |out: &mut String, id: u32| match self.key_of(id) {
+            Some(k) => {
+                let _ = write!(out, "{k}");
+            }
+            None => out.push('?'),
         };
         self.policy.write_canonical(out, &name);
         out.push_str(" probing[");

@@ -267,15 +267,17 @@ impl EvictionPolicy for ArcPolicy {
 
 impl ArcPolicy {
     /// See `Policy::write_canonical`.
-    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
+    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(&mut String, u32)) {
         use core::fmt::Write;
         let _ = write!(out, "arc p={:x} t1[", self.p.to_bits());
         for id in self.resident.iter(T1) {
-            let _ = write!(out, "{},", name(id));
+            name(out, id);
+            out.push(',');
         }
         out.push_str("] t2[");
         for id in self.resident.iter(T2) {
-            let _ = write!(out, "{},", name(id));
+            name(out, id);
+            out.push(',');
         }
         out.push_str("] b1[");
         for g in self.ghosts.lists.iter(B1) {

@@ -73,7 +73,7 @@ impl LruPolicy {
 
     /// See `Policy::write_canonical`: the order with sentinels, each entry's rank as its
     /// `r`'s index among the distinct `r`s in order, and its position.
-    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
+    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(&mut String, u32)) {
         use core::fmt::Write;
         out.push_str("lru[");
         let mut class = 0u64;
@@ -87,7 +87,8 @@ impl LruPolicy {
             if id >= self.first_sentinel {
                 let _ = write!(out, "S{}/{class},", id - self.first_sentinel);
             } else {
-                let _ = write!(out, "{}/{class}@{},", name(id), -neg);
+                name(out, id);
+                let _ = write!(out, "/{class}@{},", -neg);
             }
         }
         out.push(']');

@@ -143,9 +143,10 @@ impl Policy {
         }
     }
 
-    /// Writes the recency order to `out`, naming each id with `name`: the policy's whole
+    /// Writes the recency order to `out`, naming each id with `name` (which appends the
+    /// name to the buffer it is given): the policy's whole
     /// behaviour-relevant state, independent of which ids were used.
-    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
+    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(&mut String, u32)) {
         match self {
             Policy::Lru(p) => p.write_canonical(out, name),
             Policy::Arc(a) => a.write_canonical(out, name),

@@ -388,7 +388,7 @@ impl ReusePolicy {
     /// time relative to the clock (times before the clock are all alike to anything placed
     /// later, so they are written as 0: the order keeps their difference), then the ghost's
     /// generations.
-    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(u32) -> String) {
+    pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(&mut String, u32)) {
         out.push_str("reuse[");
         let mut victims = Vec::new();
         self.select(self.len(), &mut |_| true, &mut victims);
@@ -402,7 +402,8 @@ impl ReusePolicy {
             } else {
                 1 + due - self.clock
             };
-            let _ = write!(out, "{}/{class}{rel},", name(id));
+            name(out, id);
+            let _ = write!(out, "/{class}{rel},");
         }
         // The ghost: which generation is current, how many keys it took, and each
         // generation's set bits (few in a model's small states).
