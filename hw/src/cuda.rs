@@ -275,7 +275,7 @@ fn unpinnable(path: &std::path::Path) -> Option<String> {
     let fs = statfs(path).ok()?.filesystem_type();
     (![TMPFS_MAGIC, HUGETLBFS_MAGIC, RAMFS_MAGIC].contains(&fs)).then(|| {
         format!(
-            "the region's file {} is not on tmpfs or hugetlbfs, which may be why: Linux 6.5 and \
+            "the region's file {} is not on tmpfs, hugetlbfs or ramfs, which may be why: Linux 6.5 and \
              later refuse to pin shared file mappings of other filesystems for DMA; put the \
              region under /dev/shm, or use an anonymous region",
             path.display()
@@ -305,14 +305,15 @@ impl Registration {
                 // SAFETY: `ptr..ptr + len` is the region's live mapping, kept alive by the
                 // `Arc` every `Registration` holds until the last one unregisters it.
                 unsafe { ctx.api.register(ptr, len) }.map_err(|e| {
-                    let error = format!("cuMemHostRegister (pinning the region): {:?}", e.0);
                     let why = (e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE)
                         .then(|| unpinnable(region.path()))
                         .flatten();
-                    EngineError::Gpu(match why {
-                        Some(why) => format!("{error}: {why}"),
-                        None => error,
-                    })
+                    let mut error = gpu("cuMemHostRegister (pinning the region)", e);
+                    if let (EngineError::Gpu(message), Some(why)) = (&mut error, why) {
+                        message.push_str(": ");
+                        message.push_str(&why);
+                    }
+                    error
                 })?;
                 registry.insert(
                     ptr.addr(),
