@@ -36,6 +36,27 @@ pub enum TierKind {
     Shared,
 }
 
+/// When a secondary tier is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Admission {
+    /// vLLM 0.33's rule: every block the engine stores is cascaded to the tier when its
+    /// store completes (M6), so the tier copies what the primary holds (inclusive).
+    #[default]
+    Cascade,
+    /// A victim tier (rules V1–V4): a block is written when it is among the primary's next
+    /// `lookahead` victims at the end of a step, and the primary's evictions make the blocks
+    /// they take the tier's most recent. The tier holds what the primary is about to lose or
+    /// has lost, not a second copy of what it keeps, so the two hold more blocks together.
+    /// A block the primary holds is not on the tier until it nears eviction: it does not
+    /// outlive the process.
+    Victim {
+        /// How many of the primary's next victims are written ahead at each step's end: at
+        /// least the blocks one step can store (a block evicted before it was written is
+        /// lost to the hierarchy, counted in `victims_missed`).
+        lookahead: u32,
+    },
+}
+
 /// One secondary tier.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TierConfig {
@@ -53,6 +74,8 @@ pub struct TierConfig {
     /// Shared tiers: at most this many existence probes outstanding; beyond it a lookup of an
     /// unknown key skips the tier (counted in `probes_skipped`).
     pub max_outstanding_probes: u32,
+    /// When the tier is written: on every completed store (vLLM's), or as a victim tier.
+    pub admission: Admission,
 }
 
 impl TierConfig {
@@ -65,6 +88,7 @@ impl TierConfig {
             max_outstanding_stores: 64,
             absent_ttl_steps: 64,
             max_outstanding_probes: 256,
+            admission: Admission::Cascade,
         }
     }
 }
@@ -173,6 +197,12 @@ impl Config {
                 return bad(
                     &format!("tiers[{i}].max_outstanding_stores"),
                     "must be at least 1",
+                );
+            }
+            if t.admission == (Admission::Victim { lookahead: 0 }) {
+                return bad(
+                    &format!("tiers[{i}].admission"),
+                    "a victim tier's lookahead must be at least 1 block",
                 );
             }
             if t.kind == TierKind::Shared && t.absent_ttl_steps == 0 {

@@ -69,7 +69,8 @@ pub struct Transfer {
 pub enum JobKind {
     /// Write each block from its primary slot into the tier (a cascade).
     Store {
-        /// The request whose store this cascades.
+        /// The request whose store this cascades ([`RequestId::WRITE_AHEAD`] for a victim
+        /// tier's write-ahead, V2).
         request: RequestId,
         /// The blocks, in order (shared with the core's record of the job).
         blocks: Arc<[Transfer]>,

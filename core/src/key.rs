@@ -263,6 +263,12 @@ id_type!(
     "request "
 );
 
+impl RequestId {
+    /// The request named by a victim tier's write-ahead store jobs (V2), which no request
+    /// of the engine started.
+    pub const WRITE_AHEAD: RequestId = RequestId(u64::MAX);
+}
+
 impl SlotId {
     /// The slot's position in the primary tier (and its row in the region).
     pub fn index(self) -> usize {

@@ -6,7 +6,7 @@ use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
-use crate::config::{Config, ConfigError, TierKind};
+use crate::config::{Admission, Config, ConfigError, TierKind};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{
     Effect, Event, EventKind, Job, JobKind, JobResult, Lookup, Medium, Outcome, Transfer,
@@ -25,6 +25,7 @@ struct Tier {
     stores_outstanding: u32,
     max_outstanding_stores: u32,
     max_outstanding_probes: u32,
+    admission: Admission,
     stats: TierStats,
 }
 
@@ -171,6 +172,10 @@ pub struct Manager {
     waits: BTreeMap<RequestId, BTreeMap<Key, Wait>>,
     /// R8: the keys a finishing request read (kept for its allocation).
     read_scratch: Vec<Key>,
+    /// V2: the primary's next victims (kept for its allocation).
+    victim_scratch: Vec<Transfer>,
+    /// V3: the keys a promotion evicted (kept for its allocation).
+    evicted_scratch: Vec<Key>,
 }
 
 /// A request's wait for one block (★9).
@@ -197,6 +202,7 @@ impl Manager {
                 stores_outstanding: 0,
                 max_outstanding_stores: t.max_outstanding_stores,
                 max_outstanding_probes: t.max_outstanding_probes,
+                admission: t.admission,
                 stats: TierStats::default(),
             })
             .collect();
@@ -243,6 +249,8 @@ impl Manager {
             clock: 0,
             waits: BTreeMap::new(),
             read_scratch: Vec::new(),
+            victim_scratch: Vec::new(),
+            evicted_scratch: Vec::new(),
             config,
         })
     }
@@ -417,14 +425,18 @@ impl Manager {
             .filter_map(|k| self.primary.state_of(k).map(|(slot, _)| slot.0))
             .collect();
         protected.sort_unstable();
-        let admitted = self.primary.promote(req, key, &protected);
+        let mut evicted = core::mem::take(&mut self.evicted_scratch);
+        let admitted = self.primary.promote(req, key, &protected, &mut evicted);
         self.primary.drain_events(&mut self.events);
-        let Ok((slot, evicted)) = admitted else {
+        self.stats.evictions += evicted.len() as u64;
+        self.primary_evicted(&evicted);
+        evicted.clear();
+        self.evicted_scratch = evicted;
+        let Ok(slot) = admitted else {
             self.stats.promotions_refused += 1;
             tracing::debug!(%req, %key, %tier, "promotion refused: no room");
             return Lookup::Miss;
         };
-        self.stats.evictions += evicted as u64;
         self.stats.promotions_started += 1;
         let t = &mut self.tiers[tier.index()];
         t.stats.hits += 1;
@@ -529,6 +541,7 @@ impl Manager {
         self.primary.drain_events(&mut self.events);
         if let Ok(p) = &out {
             self.stats.evictions += p.evicted.len() as u64;
+            self.primary_evicted(&p.evicted);
         }
         self.debug_check();
         out
@@ -544,7 +557,9 @@ impl Manager {
         // `ready` is empty unless `cascade`: nothing cascades after shutdown.
         if !ready.is_empty() {
             for t in 0..self.tiers.len() {
-                self.cascade(req, TierId(t as u16), &ready);
+                if self.tiers[t].admission == Admission::Cascade {
+                    self.cascade(req, TierId(t as u16), &ready);
+                }
             }
         }
         self.debug_check();
@@ -597,6 +612,54 @@ impl Manager {
         );
     }
 
+    /// V2: every victim tier is written the primary's next victims it neither holds nor is
+    /// writing, as one cascade (M6: health, back-pressure, room, job pins), in eviction order.
+    fn write_ahead(&mut self) {
+        if self.closed {
+            return;
+        }
+        for t in 0..self.tiers.len() {
+            let Admission::Victim { lookahead } = self.tiers[t].admission else {
+                continue;
+            };
+            let mut next = core::mem::take(&mut self.victim_scratch);
+            self.primary.next_victims(lookahead as usize, &mut next);
+            let index = &self.tiers[t].index;
+            next.retain(|b| index.state_of(&b.key).is_none());
+            if !next.is_empty() {
+                self.cascade(RequestId::WRITE_AHEAD, TierId(t as u16), &next);
+            }
+            next.clear();
+            self.victim_scratch = next;
+        }
+    }
+
+    /// V3: the primary evicted `evicted` (in eviction order): every victim tier holding one
+    /// makes it most recent, the last victim most recent of all, as if each had been written
+    /// as it left; one it does not hold is lost to the hierarchy (`victims_missed`).
+    fn primary_evicted(&mut self, evicted: &[Key]) {
+        if evicted.is_empty() {
+            return;
+        }
+        for t in &mut self.tiers {
+            if t.admission == Admission::Cascade {
+                continue;
+            }
+            let mut held = Vec::with_capacity(evicted.len());
+            // A touch walks its keys last to first: the last victim goes in first.
+            for k in evicted.iter().rev() {
+                if t.index.state_of(k).is_some() {
+                    held.push(k.clone());
+                } else {
+                    t.stats.victims_missed += 1;
+                }
+            }
+            if !crate::mutant::active("victims_not_refreshed") {
+                t.index.touch(&held);
+            }
+        }
+    }
+
     /// P11–P12, R3 (no collection, M1).
     pub fn prepare_load(&mut self, req: RequestId, keys: &[Key]) -> Result<Vec<SlotId>, Error> {
         let out = self.primary.prepare_load(req, keys);
@@ -647,6 +710,7 @@ impl Manager {
                 b.entries,
             );
         }
+        self.write_ahead();
         let interval = u64::from(self.config.health.probe_interval_steps);
         for t in 0..self.tiers.len() {
             if let HealthState::Down { since } = self.tiers[t].health
@@ -983,6 +1047,7 @@ impl Manager {
                     if let Some(k) = tier.index.end_read(e, end, self.step) {
                         deletes.push(k);
                     }
+
                     match end {
                         ReadEnd::Ok => self.stats.promotions_succeeded += 1,
                         ReadEnd::Missing if !crate::mutant::active("missing_is_failure") => {

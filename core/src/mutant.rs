@@ -29,6 +29,8 @@ pub const NAMES: &[&str] = &[
     "no_deadline",
     "no_hold",
     "no_tier_learning",
+    "write_ahead_unready",
+    "victims_not_refreshed",
     "sglang_count_pending",
     "sglang_report_unread",
 ];

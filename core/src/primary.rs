@@ -242,10 +242,10 @@ pub struct Primary {
     order_scratch: Vec<u32>,
     /// Reused by every store and promotion (emptied after each).
     offer: Offer,
-    /// Reused by `admit`.
+    /// Reused by `admit` and `next_victims`.
     victims: Vec<u32>,
-    /// Reused by `promote`: the slot and the evicted keys of one promotion.
-    promoted: (Vec<SlotId>, Vec<Key>),
+    /// Reused by `promote`: the slot of one promotion.
+    promoted: Vec<SlotId>,
     stores_skipped: u64,
     /// Ready blocks with no pin (vLLM's evictable chunks).
     evictable: u32,
@@ -335,7 +335,7 @@ impl Primary {
             order_scratch: Vec::new(),
             offer: Offer::default(),
             victims: Vec::new(),
-            promoted: (Vec::new(), Vec::new()),
+            promoted: Vec::new(),
             stores_skipped: 0,
             evictable: 0,
             writing: 0,
@@ -658,13 +658,14 @@ impl Primary {
     /// M4: admits `key`, found in a secondary tier and absent from the primary (the caller
     /// looked it up), as `req`'s store would (R3–R5, L1, A1, A7; no reuse filter), in state
     /// Promoting, never evicting a slot in `protected` (sorted).
-    /// Returns the slot and the number of blocks evicted.
+    /// Returns the slot; the blocks evicted go to `evicted` (empty on entry).
     pub(crate) fn promote(
         &mut self,
         req: RequestId,
         key: &Key,
         protected: &[u32],
-    ) -> Result<(SlotId, usize), Error> {
+        evicted: &mut Vec<Key>,
+    ) -> Result<SlotId, Error> {
         debug_assert!(self.find(key).is_none(), "a promoted key is absent");
         let mut offer = self.begin_store(req, core::slice::from_ref(key), Offered::Promotion);
         if !protected.is_empty() {
@@ -672,13 +673,12 @@ impl Primary {
             offer.protected.sort_unstable();
         }
         self.observe_allocation(1);
-        let (mut slots, mut evicted) = core::mem::take(&mut self.promoted);
-        let admitted = self.admit(req, &offer, SlotState::Promoting, &mut slots, &mut evicted);
+        let mut slots = core::mem::take(&mut self.promoted);
+        let admitted = self.admit(req, &offer, SlotState::Promoting, &mut slots, evicted);
         self.end_offer(offer);
-        let out = admitted.map(|()| (slots[0], evicted.len()));
+        let out = admitted.map(|()| slots[0]);
         slots.clear();
-        evicted.clear();
-        self.promoted = (slots, evicted);
+        self.promoted = slots;
         out
     }
 
@@ -874,6 +874,34 @@ impl Primary {
             }
         }
         Ok(())
+    }
+
+    /// V2: appends to `out` the next `n` blocks the policy would evict now, in eviction
+    /// order: Ready, with no load or job pin (a store's own protection aside, what P6 takes).
+    pub(crate) fn next_victims(&mut self, n: usize, out: &mut Vec<Transfer>) {
+        let mut ids = core::mem::take(&mut self.victims);
+        ids.clear();
+        let slots = &self.slots;
+        self.policy.select(
+            n,
+            &mut |id| {
+                let s = &slots[id as usize];
+                (s.state == SlotState::Ready || crate::mutant::active("write_ahead_unready"))
+                    && s.load_pins == 0
+                    && s.job_pins == 0
+            },
+            &mut ids,
+        );
+        out.extend(ids.iter().map(|&id| {
+            Transfer {
+                key: self.slots[id as usize]
+                    .key
+                    .clone()
+                    .expect("a victim holds a key"),
+                slot: SlotId(id),
+            }
+        }));
+        self.victims = ids;
     }
 
     /// Slot allocation: fresh slots ascending first, then last-freed-first.

@@ -80,6 +80,9 @@ pub struct SweepTier {
     /// Its eviction policy (`Lru` or `Arc`).
     #[serde(serialize_with = "policy_by_name")]
     pub policy: PolicyKind,
+    /// Blocks of the primary's next victims written ahead at each step (a victim tier,
+    /// `Admission::Victim`); 0: the tier is written when a store completes (vLLM's).
+    pub victim_lookahead: u32,
 }
 
 fn policy_by_name<S: serde::Serializer>(p: &PolicyKind, s: S) -> Result<S::Ok, S::Error> {
@@ -118,7 +121,7 @@ pub fn sweep(
         )));
     }
     let tier_blocks = tier.map_or(0, |t| ((distinct as f64 * t.fraction) as u32).max(1));
-    let below = tier.map(|t| (t.policy, tier_blocks));
+    let below = tier.map(|t| (t.policy, tier_blocks, t.victim_lookahead));
     let mut rows = Vec::new();
     for &fraction in fractions {
         if !(fraction > 0.0 && fraction <= 1.0) {
@@ -165,14 +168,17 @@ fn replay(
     requests: &[Vec<Key>],
     policy: PolicyKind,
     blocks: u32,
-    tier: Option<(PolicyKind, u32)>,
+    tier: Option<(PolicyKind, u32, u32)>,
 ) -> Result<SweepCell, BenchError> {
     let mut config = Config::new(blocks);
     config.policy = policy;
     config.events = false;
-    if let Some((tier_policy, capacity)) = tier {
+    if let Some((tier_policy, capacity, lookahead)) = tier {
         let mut t = TierConfig::new(TierKind::Authoritative, capacity);
         t.policy = tier_policy;
+        if lookahead > 0 {
+            t.admission = kvtier_core::Admission::Victim { lookahead };
+        }
         config.tiers.push(t);
     }
     let core = |e: kvtier_core::Error| bad(format!("the core refused a call: {e}"));
@@ -269,9 +275,13 @@ impl fmt::Display for SweepReport {
         let below = match self.tier {
             None => "the primary alone".to_string(),
             Some(t) => format!(
-                "above a secondary tier of {:.1} % ({}), every job ending at once",
+                "above a secondary tier of {:.1} % ({}{}), every job ending at once",
                 t.fraction * 100.0,
-                policy_name(t.policy)
+                policy_name(t.policy),
+                match t.victim_lookahead {
+                    0 => String::new(),
+                    n => format!(", a victim tier writing the next {n} victims ahead"),
+                }
             ),
         };
         writeln!(
@@ -375,6 +385,7 @@ mod tests {
         let tier = SweepTier {
             fraction: 0.5,
             policy: PolicyKind::Lru,
+            victim_lookahead: 0,
         };
         let tiered = sweep(&w, &policies, &[0.1], Some(tier)).unwrap();
         let (a, t) = (&alone.rows[0], &tiered.rows[0]);
@@ -398,7 +409,11 @@ mod tests {
     #[test]
     fn a_tier_out_of_range_or_of_the_reuse_policy_is_refused() {
         for (fraction, policy) in [(0.0, PolicyKind::Lru), (0.5, PolicyKind::Reuse)] {
-            let tier = SweepTier { fraction, policy };
+            let tier = SweepTier {
+                fraction,
+                policy,
+                victim_lookahead: 0,
+            };
             let err = sweep(&workload(), &[PolicyKind::Lru], &[0.1], Some(tier)).unwrap_err();
             assert!(err.to_string().contains("--tier-fraction"), "{err}");
         }

@@ -81,6 +81,10 @@ struct BenchArgs {
     /// The eviction policy of the sweep's secondary tier (--tier-fraction).
     #[arg(long, ignore_case = true, value_parser = ["lru", "arc"], default_value = "lru")]
     tier_policy: String,
+    /// Make the sweep's secondary tier a victim tier that writes the primary's next N
+    /// victims at each step's end (0: written when a store completes, as vLLM).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    tier_victims: u32,
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
     requests: Option<usize>,
@@ -118,6 +122,7 @@ impl BenchArgs {
             fraction: _,
             tier_fraction: _,
             tier_policy: _,
+            tier_victims: _,
             requests,
             partial_blocks,
             nodes,
@@ -328,6 +333,7 @@ fn sweep_run(args: &BenchArgs, requests: &[Request]) -> Result<(), BenchError> {
     let tier = args.tier_fraction.map(|fraction| bench::SweepTier {
         fraction,
         policy: bench::parse_policy(&args.tier_policy).expect("clap checked the value"),
+        victim_lookahead: args.tier_victims,
     });
     let report = bench::sweep(requests, &policies, &fractions, tier)?;
     output(&report, args.json, 0)

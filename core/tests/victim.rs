@@ -1,0 +1,176 @@
+//! Victim tiers (rules V1–V4): written with the primary's next victims, their recency the
+//! order in which blocks left the primary.
+
+mod common;
+
+use common::*;
+use kvtier_core::{
+    Admission, Config, ConfigError, EntryState, JobKind, Lookup, Manager, Outcome, RequestId,
+    TierConfig, TierId, TierKind,
+};
+
+const T0: TierId = TierId(0);
+
+/// A primary of `num_blocks` (LRU) above one authoritative victim tier.
+fn victim_manager(num_blocks: u32, tier: u32, lookahead: u32) -> Manager {
+    let mut c = Config::new(num_blocks);
+    let mut t = TierConfig::new(TierKind::Authoritative, tier);
+    t.admission = Admission::Victim { lookahead };
+    c.tiers = vec![t];
+    manager_with(c)
+}
+
+fn held(m: &Manager, k: u32) -> Option<EntryState> {
+    m.tier(T0).unwrap().state_of(&key(k))
+}
+
+/// V1: a completed store writes nothing to a victim tier.
+#[test]
+fn v1_a_completed_store_is_not_cascaded_to_a_victim_tier() {
+    let mut m = victim_manager(4, 8, 2);
+    store(&mut m, R1, &keys([1, 2]));
+    assert!(jobs(&drain(&mut m)).is_empty());
+    assert_eq!(m.stats().job_pins, 0);
+    assert_eq!(held(&m, 1), None);
+}
+
+/// V2: at the step's end the primary's next victims, in eviction order, are written in one
+/// store job of `WRITE_AHEAD`, pinned until it ends; held blocks are not written again.
+#[test]
+fn v2_the_next_victims_are_written_ahead_at_the_end_of_a_step() {
+    let mut m = victim_manager(4, 8, 2);
+    store(&mut m, R1, &keys([1, 2, 3]));
+    m.request_finished(R1);
+    m.end_step();
+    let js = jobs(&drain(&mut m));
+    assert_eq!(js.len(), 1);
+    assert!(
+        matches!(&js[0].kind, JobKind::Store { request, .. } if *request == RequestId::WRITE_AHEAD)
+    );
+    // LRU after the finish: the tail first (3, then 2), the head last.
+    assert_eq!(load_keys(&js[0]), keys([3, 2]));
+    assert_eq!(held(&m, 3), Some(EntryState::Writing));
+    assert_eq!(m.stats().job_pins, 2);
+    report(&mut m, &js, Outcome::Ok);
+    m.end_step(); // collects: 3 and 2 Present, and still the next two victims
+    assert!(
+        jobs(&drain(&mut m)).is_empty(),
+        "held blocks are not written again"
+    );
+    assert_eq!(held(&m, 2), Some(EntryState::Present { readers: 0 }));
+    assert_eq!(m.stats().job_pins, 0);
+}
+
+/// V2: a block not Ready (Pending: the engine has not written it) is never written ahead,
+/// nor is a block with a load pin.
+#[test]
+fn v2_only_ready_unpinned_blocks_are_written_ahead() {
+    let mut m = victim_manager(4, 8, 4);
+    m.prepare_store(R1, &keys([1])).unwrap(); // Pending
+    store(&mut m, R1, &keys([2]));
+    m.prepare_load(R1, &keys([2])).unwrap();
+    m.end_step();
+    assert!(jobs(&drain(&mut m)).is_empty());
+    m.complete_load(&keys([2])).unwrap();
+    m.end_step();
+    assert_eq!(load_keys(&jobs(&drain(&mut m))[0]), keys([2]));
+}
+
+/// V2: the write-ahead is a cascade: a Down tier, or one at its back-pressure bound, is
+/// skipped, and nothing is written after shutdown.
+#[test]
+fn v2_write_ahead_obeys_back_pressure_and_shutdown() {
+    let mut c = Config::new(4);
+    let mut t = TierConfig::new(TierKind::Authoritative, 8);
+    t.admission = Admission::Victim { lookahead: 1 };
+    t.max_outstanding_stores = 1;
+    c.tiers = vec![t];
+    let mut m = manager_with(c);
+    store(&mut m, R1, &keys([1, 2]));
+    m.end_step();
+    assert_eq!(jobs(&drain(&mut m)).len(), 1);
+    m.end_step(); // the job is outstanding: the next victim is skipped
+    assert!(jobs(&drain(&mut m)).is_empty());
+    assert_eq!(m.stats().tiers[0].1.skipped_backpressure, 1);
+    m.shutdown();
+    m.end_step();
+    assert!(jobs(&drain(&mut m)).is_empty());
+}
+
+/// Ends the step, completes the jobs it submitted and collects their results.
+fn settle_step(m: &mut Manager) {
+    m.end_step();
+    complete_all(m);
+    m.end_step();
+}
+
+/// Stores `k` as request `req` and finishes it.
+fn store_one(m: &mut Manager, req: u64, k: u32) {
+    store(m, RequestId(req), &keys([k]));
+    m.request_finished(RequestId(req));
+}
+
+/// V3: a block written long ago and evicted now becomes the tier's most recent, so the tier
+/// keeps it over a block that left the primary earlier.
+#[test]
+fn v3_an_eviction_makes_the_block_the_tier_most_recent() {
+    let mut m = victim_manager(2, 3, 1);
+    store_one(&mut m, 1, 1);
+    store_one(&mut m, 2, 2);
+    settle_step(&mut m); // writes 1, the first victim
+    m.prepare_load(R1, &keys([1])).unwrap();
+    m.complete_load(&keys([1])).unwrap();
+    m.request_finished(R1); // the primary's order: 2, 1
+    settle_step(&mut m); // writes 2: the tier's order 1, 2
+    store_one(&mut m, 3, 3); // evicts 2
+    settle_step(&mut m); // the next victim, 1, is held
+    store_one(&mut m, 4, 4); // evicts 1: the tier's order 2, 1
+    settle_step(&mut m); // writes 3: 2, 1, 3
+    store_one(&mut m, 5, 5); // evicts 3
+    settle_step(&mut m); // writes 4: the tier is full and evicts its least recent, 2
+    assert_eq!(held(&m, 2), None);
+    assert_eq!(held(&m, 1), Some(EntryState::Present { readers: 0 }));
+    assert_eq!(m.stats().tiers[0].1.victims_missed, 0);
+}
+
+/// V3: a victim the tier did not hold (no step ended since it was stored) is counted.
+#[test]
+fn v3_a_victim_evicted_unwritten_is_counted_as_missed() {
+    let mut m = victim_manager(1, 2, 1);
+    store(&mut m, R1, &keys([1]));
+    store(&mut m, R1, &keys([2])); // evicts 1 before any step ended
+    assert_eq!(m.stats().tiers[0].1.victims_missed, 1);
+}
+
+/// V4: a block promoted from a victim tier stays there (T11), and comes back as a Hit.
+#[test]
+fn v4_a_promoted_block_stays_on_the_victim_tier() {
+    let mut m = victim_manager(1, 4, 1);
+    store(&mut m, R1, &keys([1]));
+    m.end_step();
+    complete_all(&mut m);
+    m.end_step();
+    m.end_step();
+    store(&mut m, R1, &keys([2])); // evicts 1, which the tier holds
+    settle_step(&mut m); // writes 2
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::HitPending);
+    m.end_step();
+    complete_all(&mut m);
+    assert_eq!(m.lookup(R2, &key(1)), Lookup::Hit);
+    assert_eq!(held(&m, 1), Some(EntryState::Present { readers: 0 }));
+    assert_eq!(m.stats().tiers[0].1.victims_missed, 0);
+}
+
+/// A victim tier's look-ahead of 0 is refused, naming the field.
+#[test]
+fn a_victim_tier_needs_a_look_ahead() {
+    let mut c = Config::new(4);
+    let mut t = TierConfig::new(TierKind::Authoritative, 8);
+    t.admission = Admission::Victim { lookahead: 0 };
+    c.tiers = vec![t];
+    let err = Manager::new(c).expect_err("refused");
+    assert!(
+        matches!(&err, ConfigError::Invalid { field, .. } if field == "tiers[0].admission"),
+        "{err}"
+    );
+}
