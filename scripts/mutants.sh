@@ -17,7 +17,7 @@ log=$(mktemp)
 site=$(mktemp -d)
 trap 'rm -rf "$log" "$site"' EXIT
 
-stateright() { # property name [model: small or deadline]
+stateright() { # property name [model: small, deadline or victim]
   KVTIER_PROPERTY="$1" KVTIER_MODEL="${2:-small}" cargo test --release "${features[@]}" -p kvtier-model --test stateright \
     one_property_until_first_counterexample -- --ignored --exact
 }
@@ -66,6 +66,7 @@ while IFS='|' read -r mutant checker expect; do
   case "$checker" in
     stateright:*) stateright "${checker#stateright:}" >"$log" 2>&1 ;;
     deadline:*) stateright "${checker#deadline:}" deadline >"$log" 2>&1 ;;
+    victim:*) stateright "${checker#victim:}" victim >"$log" 2>&1 ;;
     differential) differential >"$log" 2>&1 ;;
     corpus) corpus >"$log" 2>&1 ;;
     oracle) oracle >"$log" 2>&1 ;;
@@ -95,12 +96,14 @@ stall_batches|stateright:every state settles|every state settles broken
 shared_delete|stateright:no transition breaks a rule|T14
 missing_is_failure|stateright:no transition breaks a rule|J6
 no_deadline|deadline:no transition breaks a rule|W3
+write_ahead_unready|victim:no transition breaks a rule|does not hold its data
 evict_pinned|differential|after op
 no_cooldown|differential|after op
 no_step_gate|differential|after op
 no_step_gate|corpus|after op
 no_deadline|differential|after op
 no_tier_learning|differential|after op
+victims_not_refreshed|differential|after op
 arc_no_fallback|oracle|prepare_store: core
 arc_no_fallback|walk|evictable
 no_hold|hosted|G1

@@ -580,7 +580,10 @@ impl Manager {
             return;
         }
         let plan = tier.index.plan_store(ready, &mut self.events);
-        tier.stats.skipped_held += plan.held as u64;
+        if req != RequestId::WRITE_AHEAD {
+            // A write-ahead names the held victims too (V2): they are no skipped cascade.
+            tier.stats.skipped_held += plan.held as u64;
+        }
         tier.stats.skipped_full += plan.full as u64;
         tier.stats.evictions += plan.evicted.len() as u64;
         let deletes = tier.index.to_delete(plan.evicted); // T14
@@ -613,7 +616,8 @@ impl Manager {
     }
 
     /// V2: every victim tier is written the primary's next victims it neither holds nor is
-    /// writing, as one cascade (M6: health, back-pressure, room, job pins), in eviction order.
+    /// writing, as one cascade (M6: health, back-pressure, room without evicting the held
+    /// ones, job pins), in eviction order.
     fn write_ahead(&mut self) {
         if self.closed {
             return;
@@ -624,9 +628,11 @@ impl Manager {
             };
             let mut next = core::mem::take(&mut self.victim_scratch);
             self.primary.next_victims(lookahead as usize, &mut next);
+            // The held ones go to the plan too: T7 protects them, so that the tier never
+            // evicts one upcoming victim to write another (with a tier smaller than the
+            // look-ahead, two steps would write each over the other for ever).
             let index = &self.tiers[t].index;
-            next.retain(|b| index.state_of(&b.key).is_none());
-            if !next.is_empty() {
+            if next.iter().any(|b| index.state_of(&b.key).is_none()) {
                 self.cascade(RequestId::WRITE_AHEAD, TierId(t as u16), &next);
             }
             next.clear();

@@ -174,3 +174,20 @@ fn a_victim_tier_needs_a_look_ahead() {
         "{err}"
     );
 }
+
+/// V2 over T7: a tier smaller than the look-ahead writes what fits and then settles; it never
+/// evicts one upcoming victim to write another.
+#[test]
+fn v2_a_tier_smaller_than_the_look_ahead_settles() {
+    let mut m = victim_manager(4, 1, 2);
+    store(&mut m, R1, &keys([1, 2]));
+    m.request_finished(R1);
+    settle_step(&mut m); // writes 2, the first victim; no room for 1
+    assert_eq!(held(&m, 2), Some(EntryState::Present { readers: 0 }));
+    for _ in 0..3 {
+        m.end_step();
+        assert!(jobs(&drain(&mut m)).is_empty(), "no write at a later step");
+    }
+    assert_eq!(held(&m, 2), Some(EntryState::Present { readers: 0 }));
+    assert_eq!(m.stats().tiers[0].1.skipped_held, 0);
+}

@@ -18,8 +18,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{Hash, Hasher};
 
 use kvtier_core::{
-    BlockState, Config, Effect, EntryState, EventKind, Job, JobId, JobKind, JobResult, Key, Lookup,
-    Manager, Medium, Outcome, PolicyKind, RequestId, SlotId, TierConfig, TierId, TierKind,
+    Admission, BlockState, Config, Effect, EntryState, EventKind, Job, JobId, JobKind, JobResult,
+    Key, Lookup, Manager, Medium, Outcome, PolicyKind, RequestId, SlotId, TierConfig, TierId,
+    TierKind,
 };
 use stateright::{Model, Property};
 
@@ -69,6 +70,14 @@ impl TieringModel {
     pub fn ci_reuse() -> Self {
         let mut m = Self::ci();
         m.config.policy = PolicyKind::Reuse;
+        m
+    }
+
+    /// V1–V4: as [`TieringModel::ci`] with the first tier a victim tier writing the next
+    /// two victims ahead (the second cascades, as vLLM's), explored in CI to a depth bound.
+    pub fn ci_victim() -> Self {
+        let mut m = Self::ci();
+        m.config.tiers[0].admission = Admission::Victim { lookahead: 2 };
         m
     }
 
@@ -534,6 +543,22 @@ impl TieringModel {
                 && n.violation.is_none()
             {
                 n.violation = Some(format!("{k} is Ready but {slot} does not hold its data"));
+            }
+        }
+        // A store job (M6, V2) copies only a slot holding its block's data, fully written.
+        for j in m.outstanding_jobs() {
+            if !matches!(j.kind, JobKind::Store { .. })
+                || s.core.outstanding_jobs().any(|o| o.id == j.id)
+            {
+                continue;
+            }
+            for b in j.blocks() {
+                if n.written.get(&b.slot) != Some(&b.key) && n.violation.is_none() {
+                    n.violation = Some(format!(
+                        "{} writes {} from {}, which does not hold its data",
+                        j.id, b.key, b.slot
+                    ));
+                }
             }
         }
         // No slot named by an outstanding job holds another block.

@@ -2,7 +2,7 @@
 
 use arbitrary::Arbitrary;
 use kvtier_core::{
-    Config, HealthConfig, Key, PolicyKind, RequestId, ReuseFilter, TierConfig, TierKind,
+    Admission, Config, HealthConfig, Key, PolicyKind, RequestId, ReuseFilter, TierConfig, TierKind,
 };
 use proptest::prelude::*;
 
@@ -278,7 +278,7 @@ pub struct ConfigChoice {
     /// Primary slots (1..=4), policy (bits 2 and 3), wait deadline (bits 4 to 6: none, or
     /// 2..=5 on the clock of [`Op::Clock`]).
     pub primary: u8,
-    /// Number of tiers (0..=2) and their kinds and policies.
+    /// Number of tiers (0..=2) and their kinds, policies and admissions.
     pub tiers: u8,
     /// Tier capacities (1..=3 each).
     pub capacities: u8,
@@ -314,6 +314,12 @@ impl ConfigChoice {
             let mut t = TierConfig::new(kind, 1 + u32::from((self.capacities >> (4 * i)) % 3));
             // Bit 1 of the tier's three: ARC or LRU (the reuse-aware LRU is the primary's only).
             t.policy = policy((bits >> 1) & 1);
+            // Bit 2: a victim tier (V1–V4), writing the next one or two victims ahead.
+            if bits & 4 == 4 {
+                t.admission = Admission::Victim {
+                    lookahead: 1 + u32::from((self.capacities >> (4 * i + 2)) & 1),
+                };
+            }
             t.max_outstanding_stores = 1 + u32::from((self.bounds >> i) & 1);
             t.max_outstanding_probes = 1 + u32::from((self.bounds >> (2 + i)) & 1);
             t.absent_ttl_steps = 1 + u32::from((self.misc >> 4) % 3);

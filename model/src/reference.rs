@@ -14,8 +14,9 @@ use std::cmp::Reverse;
 use std::collections::BTreeMap;
 
 use kvtier_core::{
-    Config, Effect, Error, Event, EventKind, Job, JobId, JobKind, JobResult, Key, Lookup, Medium,
-    Outcome, PolicyKind, PreparedStore, RequestId, SlotId, TierId, TierKind, Transfer,
+    Admission, Config, Effect, Error, Event, EventKind, Job, JobId, JobKind, JobResult, Key,
+    Lookup, Medium, Outcome, PolicyKind, PreparedStore, RequestId, SlotId, TierId, TierKind,
+    Transfer,
 };
 
 /// A block's state in the primary.
@@ -751,6 +752,8 @@ struct Tier {
     health: Health,
     failures: u32,
     stores: u32,
+    /// A victim tier's look-ahead (V2); `None`: written by M6's cascade.
+    victim: Option<usize>,
 }
 
 impl Tier {
@@ -848,6 +851,10 @@ impl RefModel {
                 health: Health::Up,
                 failures: 0,
                 stores: 0,
+                victim: match t.admission {
+                    Admission::Cascade => None,
+                    Admission::Victim { lookahead } => Some(lookahead as usize),
+                },
             })
             .collect();
         RefModel {
@@ -1054,6 +1061,20 @@ impl RefModel {
             self.free.push(b.slot);
         }
         self.recency.evict(&victims);
+        // V3: each victim tier makes the victims it holds its most recent, the last one most
+        // recent of all (a touch walks last to first, so they go in reversed).
+        for tier in self.tiers.iter_mut().filter(|t| t.victim.is_some()) {
+            let held: Vec<Key> = victims
+                .iter()
+                .rev()
+                .filter(|k| tier.entries.contains_key(*k))
+                .cloned()
+                .collect();
+            let entries = &tier.entries;
+            tier.recency.touch(&held, |k| {
+                entries.get(k).map(|e| matches!(e, Entry::Present(_)))
+            });
+        }
         self.emit(Medium::Primary, EventKind::Removed, victims.clone());
         let mut slots = Vec::new();
         for k in to_store {
@@ -1355,52 +1376,62 @@ impl RefModel {
         if ready.is_empty() || self.closed {
             return;
         }
+        // V1: a victim tier is written by V2 alone.
         for t in 0..self.tiers.len() {
-            let id = TierId(t as u16);
-            let tier = &mut self.tiers[t];
-            if tier.health != Health::Up || tier.stores >= tier.max_stores {
-                continue;
+            if self.tiers[t].victim.is_none() {
+                self.cascade(t, req, &ready);
             }
-            let held: Vec<Key> = ready
-                .iter()
-                .filter(|b| tier.entries.contains_key(&b.key))
-                .map(|b| b.key.clone())
-                .collect();
-            let to_write: Vec<&Transfer> = ready
-                .iter()
-                .filter(|b| !tier.entries.contains_key(&b.key))
-                .collect();
-            let tier_kind = tier.kind;
-            let room = tier.cap - tier.entries.len();
-            let evicted = tier.evict(to_write.len().saturating_sub(room), &held);
-            let room = tier.cap - tier.entries.len();
-            let writes: Vec<Transfer> = to_write.into_iter().take(room).cloned().collect();
-            for w in &writes {
-                tier.insert(&w.key, Entry::Writing);
-            }
-            self.emit(Medium::Tier(id), EventKind::Removed, evicted.clone());
-            // T14: only a tier this node alone writes deletes what it evicts.
-            if !evicted.is_empty() && tier_kind == TierKind::Authoritative {
-                self.effects.push(Effect::Delete {
-                    tier: id,
-                    keys: evicted,
-                });
-            }
-            if writes.is_empty() {
-                continue;
-            }
-            self.tiers[t].stores += 1;
-            for w in &writes {
-                self.blocks.get_mut(&w.key).expect("ready").job_pins += 1;
-            }
-            self.submit(
-                id,
-                JobKind::Store {
-                    request: req,
-                    blocks: writes.into(),
-                },
-            );
         }
+    }
+
+    /// M6 (and V2) for tier `t`: Down or at its bound → skipped; else room is made by
+    /// evicting idle blocks not being cascaded, the absent blocks that fit are written in one
+    /// job, each pinned.
+    fn cascade(&mut self, t: usize, req: RequestId, ready: &[Transfer]) {
+        let id = TierId(t as u16);
+        let tier = &mut self.tiers[t];
+        if tier.health != Health::Up || tier.stores >= tier.max_stores {
+            return;
+        }
+        let held: Vec<Key> = ready
+            .iter()
+            .filter(|b| tier.entries.contains_key(&b.key))
+            .map(|b| b.key.clone())
+            .collect();
+        let to_write: Vec<&Transfer> = ready
+            .iter()
+            .filter(|b| !tier.entries.contains_key(&b.key))
+            .collect();
+        let tier_kind = tier.kind;
+        let room = tier.cap - tier.entries.len();
+        let evicted = tier.evict(to_write.len().saturating_sub(room), &held);
+        let room = tier.cap - tier.entries.len();
+        let writes: Vec<Transfer> = to_write.into_iter().take(room).cloned().collect();
+        for w in &writes {
+            tier.insert(&w.key, Entry::Writing);
+        }
+        self.emit(Medium::Tier(id), EventKind::Removed, evicted.clone());
+        // T14: only a tier this node alone writes deletes what it evicts.
+        if !evicted.is_empty() && tier_kind == TierKind::Authoritative {
+            self.effects.push(Effect::Delete {
+                tier: id,
+                keys: evicted,
+            });
+        }
+        if writes.is_empty() {
+            return;
+        }
+        self.tiers[t].stores += 1;
+        for w in &writes {
+            self.blocks.get_mut(&w.key).expect("ready").job_pins += 1;
+        }
+        self.submit(
+            id,
+            JobKind::Store {
+                request: req,
+                blocks: writes.into(),
+            },
+        );
     }
 
     /// P11–P12, R3–R4. Does not collect (M1).
@@ -1463,6 +1494,31 @@ impl RefModel {
                         blocks: blocks.into(),
                     },
                 );
+            }
+        }
+        // V2: each victim tier is written the primary's next victims it does not hold.
+        for t in 0..self.tiers.len() {
+            let Some(lookahead) = self.tiers[t].victim else {
+                continue;
+            };
+            if self.closed {
+                break;
+            }
+            let next: Vec<Transfer> = self
+                .recency
+                .select(lookahead, |k| self.blocks[k].evictable())
+                .into_iter()
+                .map(|k| Transfer {
+                    slot: SlotId(self.blocks[&k].slot),
+                    key: k,
+                })
+                .collect();
+            // The held ones too: the cascade must not evict them to make room.
+            if next
+                .iter()
+                .any(|b| !self.tiers[t].entries.contains_key(&b.key))
+            {
+                self.cascade(t, RequestId::WRITE_AHEAD, &next);
             }
         }
         let interval = u64::from(self.config.health.probe_interval_steps);

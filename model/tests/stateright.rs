@@ -75,6 +75,20 @@ fn deadline_configuration_to_a_depth_bound() {
     checker.assert_any_discovery("a request gives up waiting");
 }
 
+/// Depth of [`TieringModel::ci_victim`]'s exploration in CI.
+const VICTIM_DEPTH: usize = 12;
+
+/// V1–V4: a victim tier beside a cascaded one; the write-ahead is checked to copy only
+/// written data, to pin what it writes, and to settle.
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "minutes in a release build: scripts/test.sh runs it with --release"
+)]
+fn victim_tier_configuration_to_a_depth_bound() {
+    explore_to_depth(TieringModel::ci_victim(), VICTIM_DEPTH, "victim tier");
+}
+
 /// The larger configuration (shared tier, every action) to a depth bound; figures in
 /// `docs/verification.md`. Run with `cargo test --release -p kvtier-model --test stateright
 /// -- --ignored`.
@@ -85,7 +99,8 @@ fn larger_configuration_to_depth_10() {
 }
 
 /// For the negative tests (`scripts/mutants.sh`): explores [`TieringModel::small`] (or
-/// [`TieringModel::ci_deadline`] when `KVTIER_MODEL` is `deadline`) checking only the property
+/// [`TieringModel::ci_deadline`] when `KVTIER_MODEL` is `deadline`, [`TieringModel::ci_victim`]
+/// when it is `victim`) checking only the property
 /// named by `KVTIER_PROPERTY`, and stops at its first counterexample.
 #[test]
 #[ignore = "run by scripts/mutants.sh against a seeded defect"]
@@ -95,6 +110,7 @@ fn one_property_until_first_counterexample() {
         .leak();
     let mut model = match std::env::var("KVTIER_MODEL").as_deref() {
         Ok("deadline") => TieringModel::ci_deadline(),
+        Ok("victim") => TieringModel::ci_victim(),
         _ => TieringModel::small(),
     };
     model.only = Some(name);
