@@ -354,8 +354,8 @@ fn options_size_a_run_without_a_config_file() {
         "the primary is ARC: {stdout}"
     );
     assert!(
-        stdout.contains(" blocks, lru,"),
-        "the tier keeps LRU: {stdout}"
+        stdout.contains(" blocks, lru (cascade),"),
+        "the tier keeps LRU, cascaded to as vLLM's: {stdout}"
     );
     assert!(
         tier.join(kvtier_hw::DATA_FILE).exists(),
@@ -398,6 +398,54 @@ fn options_override_the_file_before_it_is_judged() {
     .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
+    assert_clean(dir.path(), "after the run");
+}
+
+/// A tier the configuration file makes a victim tier (V1–V4) is written ahead of the
+/// primary's evictions: the report names its admission and what it missed, blocks come back
+/// from it, and every loaded block is verified.
+#[test]
+fn a_victim_tier_runs_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "cpu_bytes_to_use = 4194304\nsecondary_tiers = [{ type = \"file\", capacity_bytes = 33554432, victim_lookahead = 64 }]\n",
+    )
+    .unwrap();
+    let out = kvtier(
+        dir.path(),
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--block-bytes",
+            "16KiB",
+            "--requests",
+            "1500",
+        ],
+    )
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // A step of four requests stores up to 312 blocks here, more than the look-ahead: the
+    // report counts the blocks evicted before they were written.
+    assert!(stdout.contains("lru (victim, 64 ahead, "), "{stdout}");
+    assert!(
+        stdout.contains("verified        0 loaded blocks differed"),
+        "{stdout}"
+    );
+    let promoted = stdout
+        .split(" promoted from secondary tiers")
+        .next()
+        .and_then(|s| s.rsplit("+ ").next())
+        .and_then(|p| p.trim_end_matches('%').parse::<f64>().ok())
+        .expect("a promoted share");
+    assert!(
+        promoted > 0.0,
+        "the victim tier served blocks back: {stdout}"
+    );
     assert_clean(dir.path(), "after the run");
 }
 

@@ -99,6 +99,15 @@ impl HostedTier {
             return Err(errors::config("failures_to_down", "must be at least 1"));
         }
         let settings = tier_settings(0, tier)?;
+        if settings.victim_lookahead.is_some() {
+            // The host's manager decides what its secondary tier is written: a HostedTier
+            // writes what it is given.
+            return Err(errors::config(
+                "victim_lookahead",
+                "a tier under vLLM's own tiering is written as vLLM decides; a victim tier \
+                 needs kvtier's manager (kvtier.vllm's connector, the bench)",
+            ));
+        }
         // SAFETY: the caller (kvtier.vllm_tiers) holds an export of the host's buffer, so
         // the memory stays mapped until `shutdown` has joined the IO threads; the host
         // touches no slot while a job that names it runs (vLLM pins and allocates them).

@@ -16,10 +16,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyType};
 
 use kvtier_core::{
-    BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind, RequestId,
-    ReuseFilter, TierConfig, TierKind,
+    Admission, BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind,
+    RequestId, ReuseFilter, TierConfig, TierKind,
 };
-use kvtier_hw::bench::{FileTier, STORE_KINDS, SharedStore, check_store_keys};
+use kvtier_hw::bench::{FileTier, STORE_KINDS, SharedStore, check_store_keys, victim_lookahead};
 use kvtier_hw::{
     Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, Region, SecondaryStore,
     StoreError,
@@ -134,6 +134,8 @@ type EventTuple<'py> = (i32, u8, Vec<Bound<'py, PyBytes>>);
 pub(crate) struct TierSettings {
     pub(crate) capacity_bytes: u64,
     pub(crate) policy: PolicyKind,
+    /// `Some(n)`: a victim tier writing the primary's next `n` victims ahead (V1–V4).
+    pub(crate) victim_lookahead: Option<u32>,
     pub(crate) store: StoreSettings,
 }
 
@@ -368,9 +370,15 @@ pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSet
     }
     check_store_keys(
         &kind,
-        keys.iter()
-            .map(String::as_str)
-            .filter(|k| !["type", "capacity_bytes", "eviction_policy"].contains(k)),
+        keys.iter().map(String::as_str).filter(|k| {
+            ![
+                "type",
+                "capacity_bytes",
+                "eviction_policy",
+                "victim_lookahead",
+            ]
+            .contains(k)
+        }),
         &name,
     )
     .map_err(errors::config_error)?;
@@ -402,6 +410,7 @@ pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSet
             kind: kind.clone(),
             capacity_bytes,
             eviction_policy: None,
+            victim_lookahead: None,
             path: None,
             fsync: None,
             urls: value(get("urls")?, &name("urls"), "a list of URLs")?,
@@ -467,9 +476,17 @@ pub(crate) fn tier_settings(i: usize, d: &Bound<'_, PyDict>) -> PyResult<TierSet
         };
         StoreSettings::Shared(shared)
     };
+    let lookahead = value(
+        get("victim_lookahead")?,
+        &name("victim_lookahead"),
+        "a number of blocks",
+    )?;
+    let victim_lookahead =
+        victim_lookahead(&name("victim_lookahead"), lookahead).map_err(errors::config_error)?;
     Ok(TierSettings {
         capacity_bytes,
         policy,
+        victim_lookahead,
         store,
     })
 }
@@ -492,6 +509,9 @@ pub(crate) fn open_driver(
         let (store, kind) = t.open(i, identity, layout.row_bytes())?;
         let mut tc = TierConfig::new(kind, store.capacity_blocks());
         tc.policy = t.policy;
+        if let Some(lookahead) = t.victim_lookahead {
+            tc.admission = Admission::Victim { lookahead };
+        }
         config.tiers.push(tc);
         stores.push(store);
     }

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_core::{BlockState, Config, Key, Lookup, PolicyKind, RequestId, TierConfig};
+use kvtier_core::{BlockState, Config, Key, Lookup, PolicyKind, RequestId};
 use serde::{Deserialize, Serialize};
 
 use super::BenchError;
@@ -72,12 +72,29 @@ pub struct TierReport {
     pub dropped_at_open: u64,
     /// Its eviction policy.
     pub policy: String,
+    /// When it is written: "cascade" (every completed store, vLLM's) or "victim, N ahead"
+    /// (rules V1–V4).
+    pub admission: String,
+    /// A victim tier: blocks the primary evicted before the tier held them (lost to the
+    /// hierarchy).
+    pub victims_missed: u64,
     /// "file", "redis" or "s3".
     pub kind: String,
     /// When its writes are made durable (a file tier's setting).
     pub fsync: String,
     /// Whether its IO bypasses the page cache (`O_DIRECT`).
     pub direct_io: bool,
+}
+
+impl TierReport {
+    /// How the tier is written, for the report: a victim tier with the blocks it missed.
+    fn admission_text(&self) -> String {
+        if self.admission == "cascade" {
+            self.admission.clone()
+        } else {
+            format!("{}, {} missed", self.admission, self.victims_missed)
+        }
+    }
 }
 
 /// What a bench run measured.
@@ -319,9 +336,9 @@ pub fn run(
         if let Some(s) = &t.shared {
             let store = s.open(&identity, row, t.capacity_bytes)?;
             opened.push(OpenReport::default());
-            let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
-            tc.policy = t.policy;
-            config.tiers.push(tc);
+            config
+                .tiers
+                .push(t.tier_config(store.kind(), store.capacity_blocks()));
             let store = Arc::new(Tracked::new(store));
             shared.push(store.clone());
             stores.push(store);
@@ -343,9 +360,9 @@ pub fn run(
         };
         let store = FileStore::open_with(&dir, row, t.capacity_bytes, options)?;
         opened.push(store.open_report().clone());
-        let mut tc = TierConfig::new(store.kind(), store.capacity_blocks());
-        tc.policy = t.policy;
-        config.tiers.push(tc);
+        config
+            .tiers
+            .push(t.tier_config(store.kind(), store.capacity_blocks()));
         stores.push(Arc::new(store));
     }
     let device = Arc::new(HostMemory::new(device_bytes)?);
@@ -527,6 +544,11 @@ pub fn run(
             recovered: opened[i].recovered as u64,
             dropped_at_open: opened[i].corrupt as u64,
             policy: policy_name(settings.tiers[i].policy).into(),
+            admission: match settings.tiers[i].victim_lookahead {
+                None => "cascade".into(),
+                Some(n) => format!("victim, {n} ahead"),
+            },
+            victims_missed: t.victims_missed,
             kind: settings.tiers[i].kind().into(),
             fsync: settings.tiers[i].fsync.to_string(),
             direct_io: opened[i].direct_io,
@@ -631,11 +653,12 @@ impl std::fmt::Display for Report {
             if t.kind != "file" {
                 writeln!(
                     f,
-                    "tier {i}          {} (shared), {} / {} blocks tracked here, {}, {} cascaded, {} forgotten, {} failures, {}",
+                    "tier {i}          {} (shared), {} / {} blocks tracked here, {} ({}), {} cascaded, {} forgotten, {} failures, {}",
                     t.kind,
                     t.blocks,
                     t.capacity_blocks,
                     t.policy,
+                    t.admission_text(),
                     t.cascaded,
                     t.evictions,
                     t.failures,
@@ -650,10 +673,11 @@ impl std::fmt::Display for Report {
             }
             writeln!(
                 f,
-                "tier {i}          {} / {} blocks, {}, fsync {}, {} cascaded, {} evictions, {} failures, {}, {}",
+                "tier {i}          {} / {} blocks, {} ({}), fsync {}, {} cascaded, {} evictions, {} failures, {}, {}",
                 t.blocks,
                 t.capacity_blocks,
                 t.policy,
+                t.admission_text(),
                 t.fsync,
                 t.cascaded,
                 t.evictions,

@@ -38,6 +38,8 @@ pub struct SweepCell {
     pub promoted: u64,
     /// Blocks the primary evicted.
     pub evicted: u64,
+    /// Blocks written to the secondary tier (0 without one): its IO, beside the hits.
+    pub tier_writes: u64,
 }
 
 /// One capacity of a sweep.
@@ -247,6 +249,11 @@ fn replay(
         hits,
         promoted,
         evicted: m.stats().evictions,
+        tier_writes: m
+            .stats()
+            .tiers
+            .first()
+            .map_or(0, |(_, t)| t.blocks_cascaded),
     })
 }
 
