@@ -33,7 +33,8 @@ pub enum HostedLookup {
 /// How a hosted tier is set up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostedConfig {
-    /// Its kind, capacity, policy and probe bounds.
+    /// Its kind, capacity, policy and probe bounds. Its `admission` is not used: the host's
+    /// manager decides what the tier is written (a victim tier needs kvtier's `Manager`).
     pub tier: TierConfig,
     /// When it goes Down, and how often a Down tier is probed (G12–G14).
     pub health: HealthConfig,

@@ -565,10 +565,14 @@ impl Manager {
         self.debug_check();
     }
 
-    /// M6 for one tier.
+    /// M6 (and V2) for one tier.
     fn cascade(&mut self, req: RequestId, id: TierId, ready: &[Transfer]) {
         let tier = &mut self.tiers[id.index()];
-        let n = ready.len() as u64;
+        // A write-ahead (V2) names held victims too and is tried again at every step's end:
+        // its skips are not counted (a block it never wrote and the primary evicted is, in
+        // `victims_missed`).
+        let counted = req != RequestId::WRITE_AHEAD;
+        let n = if counted { ready.len() as u64 } else { 0 };
         if tier.health != HealthState::Up {
             tier.stats.skipped_down += n;
             tracing::debug!(%id, blocks = n, "cascade skipped: tier not up");
@@ -580,11 +584,10 @@ impl Manager {
             return;
         }
         let plan = tier.index.plan_store(ready, &mut self.events);
-        if req != RequestId::WRITE_AHEAD {
-            // A write-ahead names the held victims too (V2): they are no skipped cascade.
+        if counted {
             tier.stats.skipped_held += plan.held as u64;
+            tier.stats.skipped_full += plan.full as u64;
         }
-        tier.stats.skipped_full += plan.full as u64;
         tier.stats.evictions += plan.evicted.len() as u64;
         let deletes = tier.index.to_delete(plan.evicted); // T14
         if !deletes.is_empty() {

@@ -876,8 +876,8 @@ impl Primary {
         Ok(())
     }
 
-    /// V2: appends to `out` the next `n` blocks the policy would evict now, in eviction
-    /// order: Ready, with no load or job pin (a store's own protection aside, what P6 takes).
+    /// V2: appends to `out` the next `n` Ready blocks with no load pin, in the policy's
+    /// eviction order: what P6 takes once their job pins (writes in flight) are gone.
     pub(crate) fn next_victims(&mut self, n: usize, out: &mut Vec<Transfer>) {
         let mut ids = core::mem::take(&mut self.victims);
         ids.clear();
@@ -888,7 +888,6 @@ impl Primary {
                 let s = &slots[id as usize];
                 (s.state == SlotState::Ready || crate::mutant::active("write_ahead_unready"))
                     && s.load_pins == 0
-                    && s.job_pins == 0
             },
             &mut ids,
         );

@@ -39,9 +39,9 @@ pub struct TierStats {
     pub skipped_down: u64,
     /// Blocks evicted from the tier.
     pub evictions: u64,
-    /// A victim tier: blocks the primary evicted that the tier neither held nor was writing
-    /// (lost to the hierarchy: the look-ahead was too short, back-pressure, or the tier was
-    /// not Up).
+    /// A victim tier: blocks the primary evicted that this tier neither held nor was
+    /// writing (the look-ahead was shorter than a step's evictions, back-pressure, or the
+    /// tier was not Up); lost unless another tier holds them.
     pub victims_missed: u64,
     /// Blocks whose write failed.
     pub write_failures: u64,

@@ -76,25 +76,67 @@ fn v2_only_ready_unpinned_blocks_are_written_ahead() {
     assert_eq!(load_keys(&jobs(&drain(&mut m))[0]), keys([2]));
 }
 
-/// V2: the write-ahead is a cascade: a Down tier, or one at its back-pressure bound, is
-/// skipped, and nothing is written after shutdown.
+/// V2: the write-ahead is a cascade: a tier at its back-pressure bound is skipped (not
+/// counted) and written at the next step's end once its job ended; a block being written
+/// counts toward the look-ahead; nothing is written after shutdown.
 #[test]
 fn v2_write_ahead_obeys_back_pressure_and_shutdown() {
     let mut c = Config::new(4);
     let mut t = TierConfig::new(TierKind::Authoritative, 8);
-    t.admission = Admission::Victim { lookahead: 1 };
+    t.admission = Admission::Victim { lookahead: 2 };
     t.max_outstanding_stores = 1;
     c.tiers = vec![t];
     let mut m = manager_with(c);
-    store(&mut m, R1, &keys([1, 2]));
+    store(&mut m, R1, &keys([1, 2, 3]));
+    m.request_finished(R1);
     m.end_step();
-    assert_eq!(jobs(&drain(&mut m)).len(), 1);
-    m.end_step(); // the job is outstanding: the next victim is skipped
+    let first = jobs(&drain(&mut m));
+    let written = load_keys(&first[0]);
+    assert_eq!(written.len(), 2);
+    m.end_step(); // the two being written are still the next two victims
     assert!(jobs(&drain(&mut m)).is_empty());
-    assert_eq!(m.stats().tiers[0].1.skipped_backpressure, 1);
+    // A load pin takes the first out of the look-ahead: the third block is next, but the
+    // tier's one job is outstanding.
+    m.prepare_load(R2, &written[..1]).unwrap();
+    m.end_step();
+    assert!(jobs(&drain(&mut m)).is_empty());
+    assert_eq!(m.stats().tiers[0].1.skipped_backpressure, 0, "not counted");
+    report(&mut m, &first, Outcome::Ok);
+    m.end_step(); // collects: the bound is free again
+    let third = jobs(&drain(&mut m));
+    assert_eq!(third.len(), 1);
+    assert!(!written.contains(&load_keys(&third[0])[0]));
     m.shutdown();
     m.end_step();
     assert!(jobs(&drain(&mut m)).is_empty());
+}
+
+/// V2: a Down victim tier is not written ahead, and a skipped write-ahead is not counted (it
+/// is tried again at every step's end).
+#[test]
+fn v2_a_down_tier_is_not_written_ahead() {
+    let mut c = Config::new(4);
+    let mut t = TierConfig::new(TierKind::Authoritative, 8);
+    t.admission = Admission::Victim { lookahead: 2 };
+    c.tiers = vec![t];
+    c.health.failures_to_down = 1;
+    c.health.probe_interval_steps = 100;
+    let mut m = manager_with(c);
+    store(&mut m, R1, &keys([1, 2]));
+    m.end_step();
+    let js = jobs(&drain(&mut m));
+    report(&mut m, &js, Outcome::Failed);
+    m.end_step(); // collects the failure: Down; no write-ahead
+    assert!(matches!(
+        m.health(T0),
+        Some(kvtier_core::Health::Down { .. })
+    ));
+    for _ in 0..3 {
+        m.end_step();
+        assert!(jobs(&drain(&mut m)).is_empty());
+    }
+    let s = &m.stats().tiers[0].1;
+    assert_eq!((s.skipped_down, s.skipped_full, s.skipped_held), (0, 0, 0));
 }
 
 /// Ends the step, completes the jobs it submitted and collects their results.

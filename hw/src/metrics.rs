@@ -194,6 +194,8 @@ pub struct TierMetrics {
     pub verification_failures: u64,
     /// Blocks a promotion found gone from a shared store (evicted or expired there).
     pub read_missing: u64,
+    /// A victim tier: blocks the primary evicted before this tier held them (V3).
+    pub victims_missed: u64,
     /// Promotion jobs ended: whether each succeeded and its latency in seconds, from its
     /// submission to the tier to its end (queueing included); at most
     /// [`PROMOTION_LATENCIES_KEPT`].
@@ -263,6 +265,7 @@ impl TierTally {
             read_failures: d(now.read_failures, was.read_failures),
             verification_failures: std::mem::take(&mut self.verification_failures),
             read_missing: d(now.read_missing, was.read_missing),
+            victims_missed: d(now.victims_missed, was.victims_missed),
             promotion_latencies: std::mem::take(&mut self.promotion_latencies),
         }
     }

@@ -1504,9 +1504,14 @@ impl RefModel {
             if self.closed {
                 break;
             }
+            // Blocks being written count: the look-ahead reaches no deeper while writes are
+            // in flight.
             let next: Vec<Transfer> = self
                 .recency
-                .select(lookahead, |k| self.blocks[k].evictable())
+                .select(lookahead, |k| {
+                    let b = &self.blocks[k];
+                    b.state == State::Ready && b.load_pins == 0
+                })
                 .into_iter()
                 .map(|k| Transfer {
                     slot: SlotId(self.blocks[&k].slot),

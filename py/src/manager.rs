@@ -559,6 +559,7 @@ pub(crate) fn core_stats<'py>(
         td.set_item("jobs_failed", t.jobs_failed)?;
         td.set_item("read_failures", t.read_failures)?;
         td.set_item("read_missing", t.read_missing)?;
+        td.set_item("victims_missed", t.victims_missed)?;
         td.set_item("probes", t.probes)?;
         td.set_item("health", format!("{health:?}"))?;
         tiers.append(td)?;
@@ -1173,7 +1174,7 @@ impl Manager {
     /// previous call (`cascade_jobs`, `blocks_cascaded`, `bytes_written`, `promotions`,
     /// `bytes_read`, `skipped_backpressure`, `skipped_down`, `skipped_full`, `evictions`,
     /// `jobs_failed`, `write_failures`, `read_failures`, `verification_failures`,
-    /// `read_missing`), and `promotion_latencies`: `(succeeded, seconds)` per promotion job
+    /// `read_missing`, `victims_missed`), and `promotion_latencies`: `(succeeded, seconds)` per promotion job
     /// ended meanwhile. An empty list after shutdown.
     fn take_tier_metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let tiers = match self.lock(py).driver.as_mut() {
@@ -1207,6 +1208,7 @@ impl Manager {
                     t.verification_failures,
                 ),
                 (intern!(py, "read_missing"), t.read_missing),
+                (intern!(py, "victims_missed"), t.victims_missed),
             ] {
                 d.set_item(name, value)?;
             }

@@ -135,6 +135,38 @@ def test_an_evicted_block_comes_back_from_the_file_tier(region_dir, tmp_path):
         node.close()
 
 
+def test_a_victim_tier_is_written_ahead_of_the_primarys_evictions(region_dir, tmp_path):
+    """``victim_lookahead`` (rules V1–V4): a completed store writes nothing to the tier; the
+    step's end writes the primary's next two victims; evicting four blocks finds two of them
+    on the tier and counts the other two as missed; a written one comes back."""
+    caches = kv_caches([[(PAGE, PAGE)]], 16, np.random.default_rng(5))
+    tier = {"type": "file", "path": str(tmp_path / "tier"), "victim_lookahead": 2}
+    node = Node(region_dir, tmp_path / "tier", caches, tier=tier)
+    try:
+        keys = [f"victim-{i}".encode() for i in range(8)]
+        want = {k: copied(caches, 0, i) for i, k in enumerate(keys)}
+        node.store(keys[:4], [0, 1, 2, 3])  # its step's end writes two ahead
+        node.settle()
+        (tier_stats,) = node.manager.stats()["tiers"]
+        assert (tier_stats["blocks"], tier_stats["blocks_cascaded"]) == (2, 2)
+        node.store(keys[4:], [4, 5, 6, 7])  # evicts all four
+        node.settle()
+        (tier_stats,) = node.manager.stats()["tiers"]
+        assert tier_stats["victims_missed"] == 2
+        events = list(node.manager.take_events())
+        written = [k for e in events if e.medium is kv.Medium.STORAGE and not e.removed for k in e.keys]
+        assert set(written[:2]) <= set(keys[:4])
+        ctx = node.request()
+        result, _ = node.lookup_until_settled(written[0], ctx)
+        assert result is kv.LookupResult.HIT
+        caches.tensors[0].tensor[12] = 0
+        assert node.load([written[0]], [12], ctx)
+        assert np.array_equal(copied(caches, 0, 12)[0], want[written[0]][0])
+        node.manager.on_request_finished(ctx)
+    finally:
+        node.close()
+
+
 def test_the_file_tier_survives_a_restart(region_dir, tmp_path):
     caches = kv_caches([[(PAGE, PAGE)]], 8, np.random.default_rng(4))
     keys = [b"persist-a", b"persist-b"]

@@ -149,6 +149,7 @@ TIER_WRITE_FAILURES = "vllm:kvtier_tier_write_failures"
 TIER_READ_FAILURES = "vllm:kvtier_tier_read_failures"
 TIER_VERIFICATION_FAILURES = "vllm:kvtier_tier_verification_failures"
 TIER_BLOCKS_MISSING = "vllm:kvtier_tier_blocks_missing"
+TIER_VICTIMS_MISSED = "vllm:kvtier_tier_victims_missed_blocks"
 #: Labels ``tier`` and ``reason`` (``backpressure``, ``tier_down``, ``tier_full``).
 TIER_CASCADES_SKIPPED = "vllm:kvtier_tier_cascades_skipped_blocks"
 #: Labels ``tier`` and ``result`` (``ok``, ``failed``).
@@ -181,6 +182,12 @@ _TIER_COUNTERS = (
         TIER_BLOCKS_MISSING,
         "read_missing",
         "Blocks a promotion found gone from a shared tier (evicted or expired there).",
+    ),
+    (
+        TIER_VICTIMS_MISSED,
+        "victims_missed",
+        "Victim tier: blocks the primary evicted before the tier held them "
+        "(raise victim_lookahead).",
     ),
 )
 # The reasons of TIER_CASCADES_SKIPPED, with their native keys.
