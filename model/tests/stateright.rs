@@ -5,6 +5,11 @@
 use kvtier_model::checker::TieringModel;
 use stateright::{Checker, Model};
 
+/// Every explored state clones the core (its maps and lists): most of the checker's time was
+/// the system allocator's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Unique states of [`TieringModel::ci`] at its closure.
 const CI_STATES: usize = 7_703_526;
 
