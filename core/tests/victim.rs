@@ -233,3 +233,15 @@ fn v2_a_tier_smaller_than_the_look_ahead_settles() {
     assert_eq!(held(&m, 2), Some(EntryState::Present { readers: 0 }));
     assert_eq!(m.stats().tiers[0].1.skipped_held, 0);
 }
+
+/// V3 through a promotion (M4): a promotion that evicts a block the tier never held counts
+/// it as missed, as a store's eviction does.
+#[test]
+fn v3_a_promotion_evicting_an_unwritten_block_counts_it() {
+    let mut m = victim_manager(1, 4, 1);
+    assert!(m.restore_tier(T0, keys([9])).unwrap().is_empty());
+    store(&mut m, R1, &keys([1])); // no step has ended: not written ahead
+    assert_eq!(m.lookup(R2, &key(9)), Lookup::HitPending); // evicts 1
+    assert_eq!(m.stats().tiers[0].1.victims_missed, 1);
+    assert_eq!(held(&m, 1), None);
+}
