@@ -33,8 +33,9 @@ pub enum HostedLookup {
 /// How a hosted tier is set up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostedConfig {
-    /// Its kind, capacity, policy and probe bounds. Its `admission` is not used: the host's
-    /// manager decides what the tier is written (a victim tier needs kvtier's `Manager`).
+    /// Its kind, capacity, policy and probe bounds. Its `admission` must be `Cascade`: the
+    /// host's manager decides what the tier is written (a victim tier needs kvtier's
+    /// `Manager`; `kvtier_hw::HostedDriver` refuses another).
     pub tier: TierConfig,
     /// When it goes Down, and how often a Down tier is probed (G12–G14).
     pub health: HealthConfig,

@@ -260,3 +260,18 @@ fn a_lookup_of_a_block_written_past_the_deadline_misses() {
     assert_eq!(d.lookup(&key(0)), HostedLookup::Hit);
     assert_eq!(d.stats().core.wait_timeouts, 1);
 }
+
+/// A tier under another manager is written as that manager decides: a victim admission
+/// (rules V1–V4, kvtier's own manager) is refused with the reason, before anything starts.
+#[test]
+fn a_victim_admission_is_refused_under_another_manager() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut primary = Primary::new();
+    let file = FileStore::open(dir.path(), ROW, bytes_for(4)).unwrap();
+    let mut tier = TierConfig::new(TierKind::Authoritative, file.capacity_blocks());
+    tier.admission = kvtier_core::Admission::Victim { lookahead: 8 };
+    let err = HostedDriver::new(Arc::new(file), HostedConfig::new(tier), primary.rows(), 1)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("victim tier"), "{err}");
+}
