@@ -45,8 +45,9 @@ pub enum Admission {
     Cascade,
     /// A victim tier (rules V1–V4): a block is written when it is among the primary's next
     /// `lookahead` victims at the end of a step, and the primary's evictions touch the blocks
-    /// they take (T12: the tier's most recent; ARC's frequent list). The tier holds what the primary is about to lose or
-    /// has lost, not a second copy of what it keeps, so the two hold more blocks together.
+    /// they take (T12: the tier's most recent; ARC's frequent list). The tier holds what the
+    /// primary is about to lose or has lost, not a second copy of what it keeps, so the two
+    /// hold more blocks together.
     /// A block the primary holds is not on the tier until it nears eviction: it does not
     /// outlive the process.
     Victim {

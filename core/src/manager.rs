@@ -633,11 +633,9 @@ impl Manager {
             self.primary.next_victims(lookahead as usize, &mut next);
             // The held ones go to the plan too: T7 protects them, so that the tier never
             // evicts one upcoming victim to write another (with a tier smaller than the
-            // look-ahead, two steps would write each over the other for ever).
-            let index = &self.tiers[t].index;
-            if next.iter().any(|b| index.state_of(&b.key).is_none()) {
-                self.cascade(RequestId::WRITE_AHEAD, TierId(t as u16), &next);
-            }
+            // look-ahead, two steps would write each over the other for ever). When it holds
+            // them all, the plan writes and evicts nothing.
+            self.cascade(RequestId::WRITE_AHEAD, TierId(t as u16), &next);
             next.clear();
             self.victim_scratch = next;
         }
@@ -1056,7 +1054,6 @@ impl Manager {
                     if let Some(k) = tier.index.end_read(e, end, self.step) {
                         deletes.push(k);
                     }
-
                     match end {
                         ReadEnd::Ok => self.stats.promotions_succeeded += 1,
                         ReadEnd::Missing if !crate::mutant::active("missing_is_failure") => {

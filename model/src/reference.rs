@@ -1519,12 +1519,7 @@ impl RefModel {
                 })
                 .collect();
             // The held ones too: the cascade must not evict them to make room.
-            if next
-                .iter()
-                .any(|b| !self.tiers[t].entries.contains_key(&b.key))
-            {
-                self.cascade(t, RequestId::WRITE_AHEAD, &next);
-            }
+            self.cascade(t, RequestId::WRITE_AHEAD, &next);
         }
         let interval = u64::from(self.config.health.probe_interval_steps);
         for t in 0..self.tiers.len() {

@@ -16,10 +16,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyType};
 
 use kvtier_core::{
-    Admission, BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind,
-    RequestId, ReuseFilter, TierConfig, TierKind,
+    BlockState, Config, Error as CoreError, EventKind, Key, Lookup, Medium, PolicyKind, RequestId,
+    ReuseFilter, TierKind,
 };
-use kvtier_hw::bench::{FileTier, STORE_KINDS, SharedStore, check_store_keys, victim_lookahead};
+use kvtier_hw::bench::{
+    FileTier, STORE_KINDS, SharedStore, check_store_keys, tier_config, victim_lookahead,
+};
 use kvtier_hw::{
     Driver, DriverOptions, FileOptions, FileStore, FsyncPolicy, Layout, Region, SecondaryStore,
     StoreError,
@@ -507,12 +509,12 @@ pub(crate) fn open_driver(
     let mut stores: Vec<Arc<dyn SecondaryStore>> = Vec::new();
     for (i, t) in settings.iter().enumerate() {
         let (store, kind) = t.open(i, identity, layout.row_bytes())?;
-        let mut tc = TierConfig::new(kind, store.capacity_blocks());
-        tc.policy = t.policy;
-        if let Some(lookahead) = t.victim_lookahead {
-            tc.admission = Admission::Victim { lookahead };
-        }
-        config.tiers.push(tc);
+        config.tiers.push(tier_config(
+            kind,
+            store.capacity_blocks(),
+            t.policy,
+            t.victim_lookahead,
+        ));
         stores.push(store);
     }
     config

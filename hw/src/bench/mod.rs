@@ -21,7 +21,7 @@ pub use nodes::{
 pub use run::{Progress, Promotions, Report, TierReport, run};
 pub use settings::{
     BenchSettings, DEFAULT_VICTIM_LOOKAHEAD, FileSettings, FileTier, STORE_KINDS, SharedStore,
-    TierSettings, check_store_keys, parse_bytes, parse_policy, victim_lookahead,
+    TierSettings, check_store_keys, parse_bytes, parse_policy, tier_config, victim_lookahead,
 };
 pub use sweep::{SweepCell, SweepReport, SweepRow, SweepTier, sweep};
 pub use temp::{TEMP_TIER_PREFIX, sweep_temporary_tiers};

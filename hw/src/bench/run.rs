@@ -72,9 +72,9 @@ pub struct TierReport {
     pub dropped_at_open: u64,
     /// Its eviction policy.
     pub policy: String,
-    /// When it is written: "cascade" (every completed store, vLLM's) or "victim, N ahead"
-    /// (rules V1–V4).
-    pub admission: String,
+    /// `Some(n)`: a victim tier writing `n` ahead (rules V1–V4); `None`: every completed store
+    /// is cascaded to it (vLLM's).
+    pub victim_lookahead: Option<u32>,
     /// A victim tier: blocks the primary evicted before the tier held them (lost to the
     /// hierarchy).
     pub victims_missed: u64,
@@ -89,10 +89,9 @@ pub struct TierReport {
 impl TierReport {
     /// How the tier is written, for the report: a victim tier with the blocks it missed.
     fn admission_text(&self) -> String {
-        if self.admission == "cascade" {
-            self.admission.clone()
-        } else {
-            format!("{}, {} missed", self.admission, self.victims_missed)
+        match self.victim_lookahead {
+            None => "cascade".into(),
+            Some(n) => format!("victim, {n} ahead, {} missed", self.victims_missed),
         }
     }
 }
@@ -544,10 +543,7 @@ pub fn run(
             recovered: opened[i].recovered as u64,
             dropped_at_open: opened[i].corrupt as u64,
             policy: policy_name(settings.tiers[i].policy).into(),
-            admission: match settings.tiers[i].victim_lookahead {
-                None => "cascade".into(),
-                Some(n) => format!("victim, {n} ahead"),
-            },
+            victim_lookahead: settings.tiers[i].victim_lookahead,
             victims_missed: t.victims_missed,
             kind: settings.tiers[i].kind().into(),
             fsync: settings.tiers[i].fsync.to_string(),

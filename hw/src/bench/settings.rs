@@ -36,13 +36,25 @@ pub struct TierSettings {
 impl TierSettings {
     /// The core's tier configuration for this tier's `kind` of store and `capacity_blocks`.
     pub fn tier_config(&self, kind: TierKind, capacity_blocks: u32) -> TierConfig {
-        let mut tc = TierConfig::new(kind, capacity_blocks);
-        tc.policy = self.policy;
-        if let Some(lookahead) = self.victim_lookahead {
-            tc.admission = Admission::Victim { lookahead };
-        }
-        tc
+        tier_config(kind, capacity_blocks, self.policy, self.victim_lookahead)
     }
+}
+
+/// The core's configuration of a tier of `kind` and `capacity_blocks` evicting by `policy`,
+/// a victim tier writing `victim_lookahead` ahead when it is `Some` (the bench's settings and
+/// the Python package's alike).
+pub fn tier_config(
+    kind: TierKind,
+    capacity_blocks: u32,
+    policy: PolicyKind,
+    victim_lookahead: Option<u32>,
+) -> TierConfig {
+    let mut tc = TierConfig::new(kind, capacity_blocks);
+    tc.policy = policy;
+    if let Some(lookahead) = victim_lookahead {
+        tc.admission = Admission::Victim { lookahead };
+    }
+    tc
 }
 
 /// A store shared by many nodes, and how to reach it.
@@ -93,8 +105,8 @@ impl SharedStore {
 }
 
 /// Every kind of secondary store a configuration's `type` can name, with the keys each takes
-/// beside `type`, `capacity_bytes`, `eviction_policy` and `victim_lookahead`: the one table that the bench's
-/// configuration file and the Python package check a tier's keys against.
+/// beside `type`, `capacity_bytes`, `eviction_policy` and `victim_lookahead`: the one table
+/// that the bench's configuration file and the Python package check a tier's keys against.
 pub const STORE_KINDS: &[(&str, &[&str])] = &[
     ("file", &["path", "fsync"]),
     (
