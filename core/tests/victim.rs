@@ -13,11 +13,16 @@ const T0: TierId = TierId(0);
 
 /// A primary of `num_blocks` (LRU) above one authoritative victim tier.
 fn victim_manager(num_blocks: u32, tier: u32, lookahead: u32) -> Manager {
+    manager_with(victim_config(num_blocks, tier, lookahead))
+}
+
+/// The configuration of [`victim_manager`], for a test to change before it is used.
+fn victim_config(num_blocks: u32, tier: u32, lookahead: u32) -> Config {
     let mut c = Config::new(num_blocks);
     let mut t = TierConfig::new(TierKind::Authoritative, tier);
     t.admission = Admission::Victim { lookahead };
     c.tiers = vec![t];
-    manager_with(c)
+    c
 }
 
 fn held(m: &Manager, k: u32) -> Option<EntryState> {
@@ -81,11 +86,8 @@ fn v2_only_ready_unpinned_blocks_are_written_ahead() {
 /// counts toward the look-ahead; nothing is written after shutdown.
 #[test]
 fn v2_write_ahead_obeys_back_pressure_and_shutdown() {
-    let mut c = Config::new(4);
-    let mut t = TierConfig::new(TierKind::Authoritative, 8);
-    t.admission = Admission::Victim { lookahead: 2 };
-    t.max_outstanding_stores = 1;
-    c.tiers = vec![t];
+    let mut c = victim_config(4, 8, 2);
+    c.tiers[0].max_outstanding_stores = 1;
     let mut m = manager_with(c);
     store(&mut m, R1, &keys([1, 2, 3]));
     m.request_finished(R1);
@@ -115,10 +117,7 @@ fn v2_write_ahead_obeys_back_pressure_and_shutdown() {
 /// is tried again at every step's end).
 #[test]
 fn v2_a_down_tier_is_not_written_ahead() {
-    let mut c = Config::new(4);
-    let mut t = TierConfig::new(TierKind::Authoritative, 8);
-    t.admission = Admission::Victim { lookahead: 2 };
-    c.tiers = vec![t];
+    let mut c = victim_config(4, 8, 2);
     c.health.failures_to_down = 1;
     c.health.probe_interval_steps = 100;
     let mut m = manager_with(c);
@@ -206,11 +205,7 @@ fn v4_a_promoted_block_stays_on_the_victim_tier() {
 /// A victim tier's look-ahead of 0 is refused, naming the field.
 #[test]
 fn a_victim_tier_needs_a_look_ahead() {
-    let mut c = Config::new(4);
-    let mut t = TierConfig::new(TierKind::Authoritative, 8);
-    t.admission = Admission::Victim { lookahead: 0 };
-    c.tiers = vec![t];
-    let err = Manager::new(c).expect_err("refused");
+    let err = Manager::new(victim_config(4, 8, 0)).expect_err("refused");
     assert!(
         matches!(&err, ConfigError::Invalid { field, .. } if field == "tiers[0].admission"),
         "{err}"
