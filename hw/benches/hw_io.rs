@@ -1,5 +1,7 @@
 //! Side-by-side bandwidth of kvtier's IO paths against their raw baselines:
 //! - region copies through the host engine vs a plain `memcpy` of the same bytes;
+//! - 256 MiB copied in pieces (one per layer and block, as a job copies them) with
+//!   `copy_bulk` and with `copy_from_slice`, against one `memcpy` of the whole;
 //! - file tier writes and reads (header, checksum, O_DIRECT) vs raw sequential O_DIRECT IO;
 //! - the file tier's put bandwidth under each fsync policy, for jobs of 1 and 16 blocks, and
 //!   for jobs of 4 from 4 threads at once (group commit under `Batch`);
@@ -70,6 +72,42 @@ fn copies(c: &mut Criterion) {
                 for i in 0..BLOCKS {
                     dst[i * block..(i + 1) * block]
                         .copy_from_slice(&src[i * block..(i + 1) * block]);
+                }
+                std::hint::black_box(&dst);
+            })
+        });
+    }
+    g.finish();
+}
+
+/// 256 MiB, larger than the caches as a load worth offloading is, copied in pieces of 16 KiB
+/// to 4 MiB.
+fn pieces(c: &mut Criterion) {
+    const TOTAL: usize = 256 << 20;
+    let mut g = c.benchmark_group("piece_copy_256MiB");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(TOTAL as u64));
+    let src = aligned(TOTAL);
+    let mut dst = aligned(TOTAL);
+    g.bench_function("memcpy_whole", |b| {
+        b.iter(|| {
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&dst);
+        })
+    });
+    for piece in [16 << 10, 192 << 10, 4 << 20] {
+        g.bench_with_input(BenchmarkId::new("copy_bulk", piece), &piece, |b, &piece| {
+            b.iter(|| {
+                for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+                    kvtier_hw::copy_bulk(d, s);
+                }
+                std::hint::black_box(&dst);
+            })
+        });
+        g.bench_with_input(BenchmarkId::new("memcpy", piece), &piece, |b, &piece| {
+            b.iter(|| {
+                for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+                    d.copy_from_slice(s);
                 }
                 std::hint::black_box(&dst);
             })
@@ -332,5 +370,5 @@ fn open(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, copies, files, fsync, open);
+criterion_group!(benches, copies, pieces, files, fsync, open);
 criterion_main!(benches);

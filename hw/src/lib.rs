@@ -19,6 +19,8 @@
 
 mod affinity;
 mod checksum;
+#[allow(unsafe_code)]
+mod copy;
 mod driver;
 mod engine;
 mod faulty;
@@ -39,6 +41,7 @@ mod cuda;
 pub mod bench;
 
 pub use affinity::{AffinityError, Cpus};
+pub use copy::{STREAM_MIN, copy_bulk};
 pub use driver::{Driver, DriverOptions, ShutdownReport, Waiter};
 pub use engine::{
     BlockCopy, Completion, Completions, CopyJob, Direction, EngineError, HostEngine,

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use kvtier_core::SlotId;
 use memmap2::{MmapOptions, MmapRaw};
 
+use crate::copy::copy_bulk;
 use crate::sync::{Mutex, lock};
 
 mod anon;
@@ -980,7 +981,7 @@ impl Region {
     ) -> Result<(), RegionError> {
         let offset = self.part_range(slot, worker, at, src.len())?;
         self.mapping
-            .with_mut(offset, src.len(), |dst| dst.copy_from_slice(src))
+            .with_mut(offset, src.len(), |dst| copy_bulk(dst, src))
     }
 
     /// Copies bytes of `worker`'s sub-slot of `slot`, from byte `at`, into `dst`: one piece
@@ -997,7 +998,7 @@ impl Region {
     ) -> Result<(), RegionError> {
         let offset = self.part_range(slot, worker, at, dst.len())?;
         self.mapping
-            .with(offset, dst.len(), |src| dst.copy_from_slice(src))
+            .with(offset, dst.len(), |src| copy_bulk(dst, src))
     }
 
     /// The seal of `worker`'s sub-slot of `slot`: a word that the worker sets, with

@@ -11,6 +11,8 @@ cache, which holds one prompt and a little more, and the same OpenMP team (``--o
   with ``O_DIRECT``) and then loaded.
 - ``primary-inherit`` (only when named in ``--configs``): ``primary`` with the copy thread
   left on the core of the engine thread that built it (``copy_cpus: "inherit"``).
+- ``primary-1-thread`` (only when named in ``--configs``): ``primary`` with each job copied
+  by one thread (``copy_threads: 1``; the default splits a load across 2).
 
 A prompt is 4,096 tokens and 31 more (``--blocks 128`` full blocks of 32): with its first
 token it fills the device cache, so the next prompt evicts every block of it, and a hit,
@@ -35,7 +37,7 @@ random Llama made in ``--cache-dir`` (``py/e2e/tiny_model.py``).
 
 Usage (in a Python with vLLM and kvtier installed)::
 
-    python py/bench/ttft.py [--reps 5] [--configs recompute,primary,primary-inherit,file]
+    python py/bench/ttft.py [--reps 5] [--configs recompute,primary,primary-1-thread,file]
         [--json out.json]
 """
 
@@ -66,8 +68,9 @@ MODEL = dict(
 DTYPE_BYTES = 4
 CONFIGS = ("recompute", "primary", "file")
 #: Optional: ``primary`` with the copy thread left on the core of the engine thread that
-#: built it (``copy_cpus: "inherit"``), to measure that binding side by side.
-EXTRA_CONFIGS = ("primary-inherit",)
+#: built it (``copy_cpus: "inherit"``), or with one copy thread per job (``copy_threads: 1``),
+#: to measure that setting side by side.
+EXTRA_CONFIGS = ("primary-inherit", "primary-1-thread")
 
 
 def kv_bytes_per_token() -> int:
@@ -340,6 +343,7 @@ def main() -> None:
         },
     }
     offload["primary-inherit"] = {**offload["primary"], "copy_cpus": "inherit"}
+    offload["primary-1-thread"] = {**offload["primary"], "copy_threads": 1}
     unknown = set(configs) - set(offload)
     if unknown:
         raise SystemExit(f"--configs: no engine {sorted(unknown)}")
@@ -460,10 +464,10 @@ def report(setup: dict, results: dict, warmups: dict, baselines: dict, args) -> 
             "floor_loads": sum(f["metrics"].get(LOAD_BYTES, 0.0) for r in rs for f in r["floor"]),
         }
     targets = {}
-    for c in ("primary", "primary-inherit"):
+    for c in ("primary", "primary-inherit", "primary-1-thread"):
         if c in table:
             t = table[c]
-            suffix = "" if c == "primary" else "_inherit"
+            suffix = "" if c == "primary" else "_" + c.removeprefix("primary-").replace("-", "_")
             targets[f"primary_return_over_floor{suffix}"] = {
                 "value": t["return"]["median"] / t["floor"]["median"], "target": 1.3}
             targets[f"primary_load_over_memcpy{suffix}"] = {

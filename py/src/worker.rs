@@ -106,6 +106,15 @@ impl Done {
 /// How many failed jobs' reasons a handler keeps for `error`.
 const KEPT_ERRORS: usize = 1024;
 
+/// The least bytes of a job that each of its copy threads takes: starting a thread (tens of
+/// microseconds) costs under 1 % of copying 4 MiB.
+const SPLIT_BYTES: usize = 4 << 20;
+
+/// The bytes of two parts of a job, or the first error.
+fn sum(a: Result<u64, String>, b: Result<u64, String>) -> Result<u64, String> {
+    Ok(a? + b?)
+}
+
 struct Shared {
     done: Mutex<Done>,
     changed: Condvar,
@@ -122,6 +131,9 @@ struct Shared {
     region: Mutex<Option<Arc<Region>>>,
     groups: Vec<Vec<TensorRef>>,
     blocks_per_chunk: usize,
+    /// Threads a host job's copies are split across (the copy thread and scoped helpers),
+    /// at most one per [`SPLIT_BYTES`] of the job.
+    copy_threads: usize,
     /// A pause after each page copy, for tests that kill a rank in the middle of a job.
     page_delay_us: AtomicU64,
     /// Set when the handler is dropped: queued jobs end failed without copying.
@@ -149,8 +161,57 @@ impl Shared {
         }
         let region = self.region()?;
         let region = &region;
+        let parts = self.parts(job);
+        let bytes = if parts <= 1 {
+            self.copy(region, &job.copies, job.store)?
+        } else {
+            let per = job.copies.len().div_ceil(parts);
+            std::thread::scope(|s| {
+                let mut chunks = job.copies.chunks(per);
+                let mine = chunks.next().unwrap_or_default();
+                let mut total = Ok(0u64);
+                let mut helpers = Vec::with_capacity(parts - 1);
+                for chunk in chunks {
+                    // A thread that cannot start leaves its share to this one.
+                    match std::thread::Builder::new()
+                        .name("kvtier-copy".into())
+                        .spawn_scoped(s, move || self.copy(region, chunk, job.store))
+                    {
+                        Ok(h) => helpers.push(h),
+                        Err(_) => total = sum(total, self.copy(region, chunk, job.store)),
+                    }
+                }
+                total = sum(total, self.copy(region, mine, job.store));
+                for h in helpers {
+                    let part = h.join().unwrap_or_else(|_| Err("a copy panicked".into()));
+                    total = sum(total, part);
+                }
+                total
+            })?
+        };
+        job.seal(region, self.rank)?;
+        Ok(bytes)
+    }
+
+    /// How many threads copy `job`: [`copy_threads`](Self::copy_threads), but no more than one
+    /// per [`SPLIT_BYTES`] of the job, so a small job is not slowed by starting threads.
+    fn parts(&self, job: &Job) -> usize {
+        if self.copy_threads <= 1 {
+            return 1;
+        }
+        let bytes: usize = job
+            .copies
+            .iter()
+            .map(|c| self.groups[c.group].iter().map(|t| t.page).sum::<usize>())
+            .sum();
+        (bytes / SPLIT_BYTES).clamp(1, self.copy_threads)
+    }
+
+    /// Copies the pages of `copies` between the engine's tensors and the region: into the
+    /// region for a store, out of it for a load. Returns the bytes copied.
+    fn copy(&self, region: &Region, copies: &[PageCopy], store: bool) -> Result<u64, String> {
         let mut bytes = 0u64;
-        for c in &job.copies {
+        for c in copies {
             for t in &self.groups[c.group] {
                 if c.block >= t.blocks {
                     return Err(format!(
@@ -160,7 +221,7 @@ impl Shared {
                 }
                 let addr = t.base + c.block * t.stride;
                 let at = t.at + c.index * t.page;
-                if job.store {
+                if store {
                     // SAFETY: `addr..addr + page` lies in a live tensor of the engine (checked
                     // against its block count above; the Python handler holds the tensors),
                     // which does not write the block until the store is reported.
@@ -170,7 +231,9 @@ impl Shared {
                         .map_err(|e| e.to_string())?;
                 } else {
                     // SAFETY: as above; the engine neither reads nor writes the block until
-                    // the load is reported, so this is the only reference to those bytes.
+                    // the load is reported, and a job's copies name each block once, so this
+                    // is the only reference to those bytes (the job's other threads copy
+                    // other blocks).
                     let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, t.page) };
                     region
                         .read_part(SlotId(c.slot), self.rank, at, dst)
@@ -183,7 +246,6 @@ impl Shared {
                 }
             }
         }
-        job.seal(region, self.rank)?;
         Ok(bytes)
     }
 
@@ -234,11 +296,12 @@ impl Worker {
     /// writes only the slots `s` with `s % ranks == rank`, and reads every slot. `groups` lists, per KV cache
     /// group, its tensors as `(address, blocks, stride, page)`. `copy_cpus` is where the copy
     /// thread runs: `"any"` CPU the process may use (not the binding of the engine's thread
-    /// that calls this), `"inherit"` that binding, or a list such as `"2,4-7"`.
+    /// that calls this), `"inherit"` that binding, or a list such as `"2,4-7"`; a job of
+    /// host tensors is split across up to `copy_threads` threads there (one per 4 MiB).
     #[new]
     #[pyo3(signature = (*, region_path, rows, workers, block_bytes_per_worker, rank, groups,
         blocks_per_chunk = 1, attach_timeout_s = 60.0, device = None, tensors = Vec::new(),
-        copy_cpus = "any", store_share = None))]
+        copy_cpus = "any", copy_threads = 2, store_share = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         region_path: PathBuf,
@@ -252,6 +315,7 @@ impl Worker {
         device: Option<i32>,
         tensors: Vec<Py<PyAny>>,
         copy_cpus: &str,
+        copy_threads: usize,
         store_share: Option<(u16, u16)>,
     ) -> PyResult<Self> {
         if let Some((r, n)) = store_share
@@ -281,6 +345,9 @@ impl Worker {
         }
         if blocks_per_chunk == 0 {
             return Err(errors::config("blocks_per_chunk", "must be at least 1"));
+        }
+        if copy_threads == 0 {
+            return Err(errors::config("copy_threads", "must be at least 1"));
         }
         let attach_timeout = Duration::try_from_secs_f64(attach_timeout_s).map_err(|_| {
             errors::config(
@@ -338,6 +405,7 @@ impl Worker {
             stopping: AtomicBool::new(false),
             groups: refs,
             blocks_per_chunk,
+            copy_threads,
             page_delay_us: AtomicU64::new(0),
         });
         let (tx, rx) = channel::<Job>();

@@ -190,6 +190,8 @@ def test_factory_builds_kvtier_from_the_readme_config(vllm, region_dir, tmp_path
         ({"hit_pending_timeout_s": 0}, "hit_pending_timeout_s"),
         ({"hit_pending_timeout_s": -1}, "hit_pending_timeout_s"),
         ({"copy_cpus": 3}, "copy_cpus"),
+        ({"copy_threads": 0}, "copy_threads"),
+        ({"copy_threads": "all"}, "copy_threads"),
     ],
 )
 def test_a_bad_config_is_a_value_error_naming_the_key(vllm, region_dir, tmp_path, change, names):

@@ -35,7 +35,7 @@ def copied(caches, group, block):
 class Rig:
     """A manager and one rank's handler on host buffers."""
 
-    def __init__(self, region_dir, groups, *, bpc=1, gpu_blocks=16, slots=8, seed=0):
+    def __init__(self, region_dir, groups, *, bpc=1, gpu_blocks=16, slots=8, seed=0, copy_threads=2):
         self.rng = np.random.default_rng(seed)
         self.caches = kv_caches(groups, gpu_blocks, self.rng)
         per_worker = max(sum(p for _, p in g) for g in groups) * bpc
@@ -44,6 +44,7 @@ class Rig:
             region_path=str(region_dir / "region"),
             block_bytes_per_worker=per_worker,
             blocks_per_chunk=bpc,
+            copy_threads=copy_threads,
         )
         self.manager = kv.KvtierOffloadingManager(self.settings, prefault_threads=1)
         self.worker = kv.KvtierOffloadingWorker(self.caches, self.settings)
@@ -123,6 +124,32 @@ def test_store_then_load_moves_every_byte(rig):
                 assert np.array_equal(
                     t.tensor[b, r.page_size_bytes :], before[r.tensor_idx][b, r.page_size_bytes :]
                 )
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_a_job_split_across_copy_threads_moves_every_byte(region_dir, threads):
+    # Pages of 1 MiB and some bytes, not multiples of a cache line: a job of 10 blocks is
+    # about 25 MiB, split across up to `threads` threads (one per 4 MiB), each page copied
+    # around the caches with an unaligned head and tail.
+    groups = [[((1 << 20) + 4096, (1 << 20) + 24), ((2 << 20) + 4096, (3 << 19) - 40)]]
+    r = Rig(region_dir, groups, gpu_blocks=24, slots=12, copy_threads=threads)
+    try:
+        keys = [bytes([i]) * 8 + bytes(4) for i in range(10)]
+        src_ids = [23, 0, 5, 9, 11, 2, 17, 3, 8, 20]
+        want = [copied(r.caches, 0, b) for b in src_ids]
+        result = r.store(keys, src_ids)
+        assert result.success and result.transfer_size == sum(a.nbytes for w in want for a in w)
+        before = [t.tensor.copy() for t in r.caches.tensors]
+        dst_ids = [1, 4, 6, 7, 10, 12, 13, 14, 15, 16]
+        assert r.load(keys, dst_ids).success
+        for b, w in zip(dst_ids, want):
+            for got, expect in zip(copied(r.caches, 0, b), w):
+                assert np.array_equal(got, expect)
+        for t, old in zip(r.caches.tensors, before):
+            for b in set(range(t.tensor.shape[0])) - set(dst_ids):
+                assert np.array_equal(t.tensor[b], old[b])
+    finally:
+        r.close()
 
 
 @pytest.mark.parametrize("rig", [([[(256, 256), (128, 100)]], 2)], indirect=True, ids=["chunks-of-2"])

@@ -391,7 +391,8 @@ class Settings:
     "access_key_id_env"?, "secret_access_key_env"?, "session_token_env"?, "virtual_hosted"?,
     "timeout_ms"?, "retries"?, "conditional_put"?, "eviction_policy"?}``),
     ``region_dir`` (none: an anonymous region), ``io_threads`` (4), ``shutdown_timeout_s``
-    (30), ``attach_timeout_s`` (60), ``copy_cpus`` (``"any"``), ``hit_pending_timeout_s`` (5;
+    (30), ``attach_timeout_s`` (60), ``copy_cpus`` (``"any"``), ``copy_threads`` (2),
+    ``hit_pending_timeout_s`` (5;
     null: none).
 
     ``region_path`` names the shared region: ``@NAME`` for an anonymous one (memory with no
@@ -420,6 +421,10 @@ class Settings:
     #: the binding of the engine thread that builds the handler (vLLM's CPU worker pins it to
     #: one core of the model's OpenMP team), or a CPU list such as ``"2,4-7"``.
     copy_cpus: str = "any"
+    #: Threads each rank's copy of a job of host tensors is split across (on ``copy_cpus``),
+    #: at most one per 4 MiB of the job: on a CPU engine a load shares the cores with the
+    #: engine's own loops, and one thread does not reach the memory's bandwidth.
+    copy_threads: int = 2
     #: How long one request may wait for one block (answered "pending" or "retry", as while
     #: a promotion from a hung tier is in flight) before kvtier answers "miss" and the engine
     #: computes the block (★9). ``None``: no deadline, as vLLM 0.33.
@@ -536,6 +541,7 @@ class Settings:
             shutdown_timeout_s=_float_setting(extra, "shutdown_timeout_s", 30.0),
             attach_timeout_s=_float_setting(extra, "attach_timeout_s", 60.0),
             copy_cpus=_str_setting(extra, "copy_cpus", "any"),
+            copy_threads=_int_setting(extra, "copy_threads", 2, 1),
             hit_pending_timeout_s=_timeout_setting(extra, "hit_pending_timeout_s", 5.0),
             kv_cache_size_tokens=_kv_cache_size_tokens(config, num_blocks),
         )
@@ -890,6 +896,7 @@ class KvtierOffloadingWorker(_base.OffloadingWorker):
             blocks_per_chunk=settings.blocks_per_chunk,
             attach_timeout_s=settings.attach_timeout_s,
             copy_cpus=settings.copy_cpus,
+            copy_threads=settings.copy_threads,
             device=self._device,
             # Held by the handler until its copies have stopped.
             tensors=keep,
