@@ -49,6 +49,17 @@ struct TensorRef {
     at: usize,
 }
 
+impl TensorRef {
+    /// Where `c`'s page of this tensor lies: its address in the engine's tensor, and its
+    /// offset in the slot's sub-slot.
+    fn place(&self, c: &PageCopy) -> (usize, usize) {
+        (
+            self.base + c.block * self.stride,
+            self.at + c.index * self.page,
+        )
+    }
+}
+
 /// One page copy: a block of a group's tensors and its place in a slot.
 #[derive(Clone, Copy, Debug)]
 struct PageCopy {
@@ -221,10 +232,11 @@ impl Shared {
         let mut targets: Vec<(u64, usize)> = Vec::with_capacity(job.copies.len());
         for c in &job.copies {
             for t in &self.groups[c.group] {
+                let (addr, at) = t.place(c);
                 targets.push(if job.store {
-                    (u64::from(c.slot), t.at + c.index * t.page)
+                    (u64::from(c.slot), at)
                 } else {
-                    (u64::MAX, t.base + c.block * t.stride)
+                    (u64::MAX, addr)
                 });
             }
         }
@@ -244,8 +256,7 @@ impl Shared {
                         c.block, t.blocks
                     ));
                 }
-                let addr = t.base + c.block * t.stride;
-                let at = t.at + c.index * t.page;
+                let (addr, at) = t.place(c);
                 if store {
                     // SAFETY: `addr..addr + page` lies in a live tensor of the engine (checked
                     // against its block count above; the Python handler holds the tensors),
@@ -256,9 +267,9 @@ impl Shared {
                         .map_err(|e| e.to_string())?;
                 } else {
                     // SAFETY: as above; the engine neither reads nor writes the block until
-                    // the load is reported, and a job's copies name each block once, so this
-                    // is the only reference to those bytes (the job's other threads copy
-                    // other blocks).
+                    // the load is reported, and a job is split across threads only when no
+                    // two of its pages share an address (`disjoint`), so this is the only
+                    // reference to those bytes.
                     let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, t.page) };
                     region
                         .read_part(SlotId(c.slot), self.rank, at, dst)
@@ -720,10 +731,11 @@ impl Worker {
                         c.block, t.blocks
                     ));
                 }
+                let (device, at) = t.place(c);
                 pieces.push(Piece {
                     slot: SlotId(c.slot),
-                    at: t.at + c.index * t.page,
-                    device: (t.base + c.block * t.stride) as u64,
+                    at,
+                    device: device as u64,
                     len: t.page,
                 });
             }
