@@ -294,6 +294,9 @@ impl PageCache {
     /// With `pins`, each key is pinned for a load (P11) as soon as it answers Hit, its slot
     /// kept in `pins`, and Ready keys are looked up first: a block found cannot be evicted by
     /// the promotions of the keys after it. The caller releases every pin it is given (P13).
+    /// Without, every round looks up again, in order, the keys answered Hit before the last
+    /// one still on its way, as vLLM's scheduler does at every step: the core protects a
+    /// request's hits from its promotions for one step (★8), and each round ends one.
     fn resolve(
         &self,
         req: RequestId,
@@ -320,9 +323,11 @@ impl PageCache {
                     let now = driver.manager().stats().promotions_refused;
                     std::mem::replace(&mut refused, now) < now
                 };
-                if was_refused && driver.in_flight() > 0 {
+                if was_refused && driver.has_pending_work() {
                     // Found below, but no slot is free now: IO in flight holds pins that
-                    // its end lets go. Asked again after it, within the deadline.
+                    // its end lets go. Asked again after it, within the deadline. A job
+                    // counted ended holds its pins until a step applies its result (M1): the
+                    // core's outstanding jobs are asked, not the IO in flight alone.
                     answers[i] = Lookup::Retry;
                     still.push(i);
                     continue;
@@ -373,7 +378,12 @@ impl PageCache {
                 return Ok(answers);
             }
             self.wait_for_io(inner)?;
-            open = still;
+            open = match (pins.is_some(), still.last()) {
+                (false, Some(&last)) => (0..=last)
+                    .filter(|&i| answers[i] == Lookup::Hit || still.binary_search(&i).is_ok())
+                    .collect(),
+                _ => still,
+            };
         }
     }
 
@@ -516,9 +526,10 @@ impl PageCache {
                         .collect();
                 }
                 // The slots are pinned by IO in flight (the cascades of blocks just stored):
-                // its end frees them. Tried again after it, within the deadline.
+                // its end frees them, once a step applies its result. Tried again after it,
+                // within the deadline.
                 Err(HwError::Core(CoreError::NoRoom { .. }))
-                    if driver.in_flight() > 0 && Instant::now() < deadline =>
+                    if driver.has_pending_work() && Instant::now() < deadline =>
                 {
                     batches.push(batch);
                     self.wait_for_io(inner)?;
