@@ -174,6 +174,10 @@ pub struct Manager {
     read_scratch: Vec<Key>,
     /// V2: the primary's next victims (kept for its allocation).
     victim_scratch: Vec<Transfer>,
+    /// V2: blocks the primary evicted in this step so far.
+    step_evictions: u32,
+    /// V2: the most blocks the primary evicted in one step, decaying by a sixteenth a step.
+    eviction_peak: u32,
     /// V3: the keys a promotion evicted (kept for its allocation).
     evicted_scratch: Vec<Key>,
 }
@@ -250,6 +254,8 @@ impl Manager {
             waits: BTreeMap::new(),
             read_scratch: Vec::new(),
             victim_scratch: Vec::new(),
+            step_evictions: 0,
+            eviction_peak: 0,
             evicted_scratch: Vec::new(),
             config,
         })
@@ -620,17 +626,35 @@ impl Manager {
 
     /// V2: every victim tier is written the primary's next victims it neither holds nor is
     /// writing, as one cascade (M6: health, back-pressure, room without evicting the held
-    /// ones, job pins), in eviction order.
+    /// ones, job pins), in eviction order. It looks as far ahead as its configured look-ahead,
+    /// or twice the peak of a step's evictions beyond the blocks it is writing, if further.
     fn write_ahead(&mut self) {
         if self.closed {
             return;
         }
+        let evicted = core::mem::take(&mut self.step_evictions);
+        self.eviction_peak = evicted.max(self.eviction_peak - self.eviction_peak / 16);
         for t in 0..self.tiers.len() {
             let Admission::Victim { lookahead } = self.tiers[t].admission else {
                 continue;
             };
+            let tier = TierId(t as u16);
+            let writing: usize = self
+                .jobs
+                .values()
+                .filter(|o| o.job.tier == tier)
+                .map(|o| match &o.job.kind {
+                    JobKind::Store { blocks, .. } => blocks.len(),
+                    _ => 0,
+                })
+                .sum();
+            let ahead = if crate::mutant::active("lookahead_fixed") {
+                lookahead as usize
+            } else {
+                (lookahead as usize).max(2 * self.eviction_peak as usize + writing)
+            };
             let mut next = core::mem::take(&mut self.victim_scratch);
-            self.primary.next_victims(lookahead as usize, &mut next);
+            self.primary.next_victims(ahead, &mut next);
             // The held ones go to the plan too: T7 protects them, so that the tier never
             // evicts one upcoming victim to write another (with a tier smaller than the
             // look-ahead, two steps would write each over the other for ever). When it holds
@@ -648,6 +672,7 @@ impl Manager {
         if evicted.is_empty() {
             return;
         }
+        self.step_evictions = self.step_evictions.saturating_add(evicted.len() as u32);
         for t in &mut self.tiers {
             if t.admission == Admission::Cascade {
                 continue;
@@ -1239,6 +1264,14 @@ impl Manager {
             " collected={} closed={} held={} effects={:?} events={:?}",
             self.collected, self.closed, self.promotions_held, self.effects, self.events
         );
+        // V2's look-ahead follows the evictions only where a victim tier reads it.
+        if self.tiers.iter().any(|t| t.admission != Admission::Cascade) {
+            let _ = write!(
+                out,
+                " evicted={} peak={}",
+                self.step_evictions, self.eviction_peak
+            );
+        }
     }
 
     #[inline]

@@ -31,6 +31,7 @@ pub const NAMES: &[&str] = &[
     "no_tier_learning",
     "write_ahead_unready",
     "victims_not_refreshed",
+    "lookahead_fixed",
     "sglang_count_pending",
     "sglang_report_unread",
 ];

@@ -164,10 +164,9 @@ fn v3_an_eviction_makes_the_block_the_tier_most_recent() {
     m.request_finished(R1); // the primary's order: 2, 1
     settle_step(&mut m); // writes 2: the tier's order 1, 2
     store_one(&mut m, 3, 3); // evicts 2
-    settle_step(&mut m); // the next victim, 1, is held
-    store_one(&mut m, 4, 4); // evicts 1: the tier's order 2, 1
-    settle_step(&mut m); // writes 3: 2, 1, 3
-    store_one(&mut m, 5, 5); // evicts 3
+    // A step evicted one block: 2 ahead, 1 (held) and 3, written: the tier's order 1, 2, 3.
+    settle_step(&mut m);
+    store_one(&mut m, 4, 4); // evicts 1: the tier's order 2, 3, 1
     settle_step(&mut m); // writes 4: the tier is full and evicts its least recent, 2
     assert_eq!(held(&m, 2), None);
     assert_eq!(held(&m, 1), Some(EntryState::Present { readers: 0 }));
@@ -239,4 +238,38 @@ fn v3_a_promotion_evicting_an_unwritten_block_counts_it() {
     assert_eq!(m.lookup(R2, &key(9)), Lookup::HitPending); // evicts 1
     assert_eq!(m.stats().tiers[0].1.victims_missed, 1);
     assert_eq!(held(&m, 1), None);
+}
+
+/// V2: a victim tier looks ahead twice the most blocks one step evicted, beyond the blocks
+/// it is writing, when that reaches further than its configured look-ahead: a step that
+/// evicts more than was written ahead, or evicts while the last write-ahead is in flight,
+/// loses fewer blocks the next time, and the tier is not written further than the primary's
+/// evictions ask.
+#[test]
+fn v2_the_look_ahead_covers_twice_a_steps_evictions_beyond_the_writes_in_flight() {
+    let mut m = victim_manager(8, 32, 1);
+    store(&mut m, R1, &keys([1, 2, 3, 4, 5, 6, 7, 8]));
+    m.request_finished(R1);
+    m.end_step(); // nothing evicted yet: the configured 1 ahead, the tail
+    let first = jobs(&drain(&mut m));
+    assert_eq!(first.len(), 1);
+    assert_eq!(load_keys(&first[0]), keys([8]));
+    // 8 is pinned by its write: the store evicts the three after it, which the tier lacks.
+    store(&mut m, R2, &keys([9, 10, 11]));
+    m.request_finished(R2);
+    assert_eq!(m.stats().tiers[0].1.victims_missed, 3);
+    // A step evicted 3 and 1 block is being written: 2 × 3 + 1 = 7 ahead (8, held, then
+    // R1's rest and R2's, each request tail first).
+    m.end_step();
+    let js = jobs(&drain(&mut m));
+    assert_eq!(js.len(), 1);
+    assert_eq!(load_keys(&js[0]), keys([4, 3, 2, 1, 11, 10]));
+    report(&mut m, &first, Outcome::Ok);
+    report(&mut m, &js, Outcome::Ok);
+    m.end_step();
+    assert_eq!(m.stats().job_pins, 0);
+    // The next step evicts 2 blocks, all written: nothing is missed.
+    store(&mut m, RequestId(3), &keys([12, 13]));
+    m.request_finished(RequestId(3));
+    assert_eq!(m.stats().tiers[0].1.victims_missed, 3);
 }

@@ -429,9 +429,13 @@ fn a_victim_tier_runs_end_to_end() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    // A step of four requests stores up to 312 blocks here, more than the look-ahead: the
-    // report counts the blocks evicted before they were written.
-    assert!(stdout.contains("lru (victim, 64 ahead, "), "{stdout}");
+    // A step of four requests stores up to 312 blocks here, more than the configured
+    // look-ahead, which grows with the steps' evictions (V2); the report counts the blocks
+    // evicted before they were written.
+    assert!(
+        stdout.contains("lru (victim, at least 64 ahead, "),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("verified        0 loaded blocks differed"),
         "{stdout}"

@@ -830,6 +830,10 @@ pub struct RefModel {
     /// that time, or (`None`) one that gave the key up.
     waiting: Vec<(RequestId, Key, Option<u64>)>,
     wait_timeouts: u64,
+    /// V2: blocks the primary evicted since the last write-ahead.
+    evicted_since: usize,
+    /// V2: the most the primary evicted between two write-aheads, a sixteenth less at each.
+    eviction_peak: usize,
 }
 
 impl RefModel {
@@ -877,6 +881,8 @@ impl RefModel {
             batches: Vec::new(),
             cooldown: BTreeMap::new(),
             closed: false,
+            evicted_since: 0,
+            eviction_peak: 0,
             clock: 0,
             waiting: Vec::new(),
             wait_timeouts: 0,
@@ -1061,6 +1067,7 @@ impl RefModel {
             self.free.push(b.slot);
         }
         self.recency.evict(&victims);
+        self.evicted_since += victims.len();
         // V3: each victim tier makes the victims it holds its most recent, the last one most
         // recent of all (a touch walks last to first, so they go in reversed).
         for tier in self.tiers.iter_mut().filter(|t| t.victim.is_some()) {
@@ -1496,7 +1503,12 @@ impl RefModel {
                 );
             }
         }
-        // V2: each victim tier is written the primary's next victims it does not hold.
+        // V2: each victim tier is written the primary's next victims it does not hold: as
+        // many as twice the peak of a step's evictions, beyond the blocks it is writing.
+        if !self.closed {
+            let evicted = std::mem::take(&mut self.evicted_since);
+            self.eviction_peak = evicted.max(self.eviction_peak - self.eviction_peak / 16);
+        }
         for t in 0..self.tiers.len() {
             let Some(lookahead) = self.tiers[t].victim else {
                 continue;
@@ -1504,11 +1516,19 @@ impl RefModel {
             if self.closed {
                 break;
             }
+            let writing: usize = (self.jobs.values())
+                .filter(|(job, _)| job.tier == TierId(t as u16))
+                .map(|(job, _)| match &job.kind {
+                    JobKind::Store { blocks, .. } => blocks.len(),
+                    _ => 0,
+                })
+                .sum();
+            let ahead = lookahead.max(2 * self.eviction_peak + writing);
             // Blocks being written count: the look-ahead reaches no deeper while writes are
             // in flight.
             let next: Vec<Transfer> = self
                 .recency
-                .select(lookahead, |k| {
+                .select(ahead, |k| {
                     let b = &self.blocks[k];
                     b.state == State::Ready && b.load_pins == 0
                 })

@@ -72,8 +72,8 @@ pub struct TierReport {
     pub dropped_at_open: u64,
     /// Its eviction policy.
     pub policy: String,
-    /// `Some(n)`: a victim tier writing `n` ahead (rules V1–V4); `None`: every completed store
-    /// is cascaded to it (vLLM's).
+    /// `Some(n)`: a victim tier writing at least `n` ahead (rules V1–V4); `None`: every
+    /// completed store is cascaded to it (vLLM's).
     pub victim_lookahead: Option<u32>,
     /// A victim tier: blocks the primary evicted before the tier held them (lost to the
     /// hierarchy).
@@ -91,7 +91,7 @@ impl TierReport {
     fn admission_text(&self) -> String {
         match self.victim_lookahead {
             None => "cascade".into(),
-            Some(n) => format!("victim, {n} ahead, {} missed", self.victims_missed),
+            Some(n) => format!("victim, at least {n} ahead, {} missed", self.victims_missed),
         }
     }
 }

@@ -187,7 +187,7 @@ _TIER_COUNTERS = (
         TIER_VICTIMS_MISSED,
         "victims_missed",
         "Victim tier: blocks the primary evicted before the tier held them "
-        "(raise victim_lookahead).",
+        "(lost to the hierarchy).",
     ),
 )
 # The reasons of TIER_CASCADES_SKIPPED, with their native keys.
