@@ -176,7 +176,8 @@ pub struct Manager {
     victim_scratch: Vec<Transfer>,
     /// V2: blocks the primary evicted in this step so far.
     step_evictions: u32,
-    /// V2: the most blocks the primary evicted in one step, decaying by a sixteenth a step.
+    /// V2: the most blocks the primary evicted in one step, decaying by a sixteenth (rounded
+    /// up) a step.
     eviction_peak: u32,
     /// V3: the keys a promotion evicted (kept for its allocation).
     evicted_scratch: Vec<Key>,
@@ -633,7 +634,7 @@ impl Manager {
             return;
         }
         let evicted = core::mem::take(&mut self.step_evictions);
-        self.eviction_peak = evicted.max(self.eviction_peak - self.eviction_peak / 16);
+        self.eviction_peak = evicted.max(self.eviction_peak - self.eviction_peak.div_ceil(16));
         for t in 0..self.tiers.len() {
             let Admission::Victim { lookahead } = self.tiers[t].admission else {
                 continue;

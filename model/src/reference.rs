@@ -1507,7 +1507,7 @@ impl RefModel {
         // many as twice the peak of a step's evictions, beyond the blocks it is writing.
         if !self.closed {
             let evicted = std::mem::take(&mut self.evicted_since);
-            self.eviction_peak = evicted.max(self.eviction_peak - self.eviction_peak / 16);
+            self.eviction_peak = evicted.max(self.eviction_peak - self.eviction_peak.div_ceil(16));
         }
         for t in 0..self.tiers.len() {
             let Some(lookahead) = self.tiers[t].victim else {
@@ -1524,8 +1524,8 @@ impl RefModel {
                 })
                 .sum();
             let ahead = lookahead.max(2 * self.eviction_peak + writing);
-            // Blocks being written count: the look-ahead reaches no deeper while writes are
-            // in flight.
+            // Blocks being written fill places in the look-ahead; `writing` extends it by as
+            // many.
             let next: Vec<Transfer> = self
                 .recency
                 .select(ahead, |k| {
