@@ -291,12 +291,12 @@ impl PageCache {
     /// deadline passes, waiting for IO between rounds. Answers each key's last answer. With
     /// `leading`, keys after the first Miss are not waited for, and answer Miss.
     ///
-    /// With `pins`, each key is pinned for a load (P11) as soon as it answers Hit, its slot
-    /// kept in `pins`, and Ready keys are looked up first: a block found cannot be evicted by
-    /// the promotions of the keys after it. The caller releases every pin it is given (P13).
-    /// Without, every round looks up again, in order, the keys answered Hit before the last
-    /// one still on its way, as vLLM's scheduler does at every step: the core protects a
-    /// request's hits from its promotions for one step (★8), and each round ends one.
+    /// Ready keys are looked up first in every round. With `pins`, each key is pinned for a
+    /// load (P11) as soon as it answers Hit, its slot kept in `pins`: a block found cannot be
+    /// evicted by the promotions of the others. The caller releases every pin it is given
+    /// (P13). Without, every round looks up again every key answered Hit, as vLLM's scheduler
+    /// does at every step: the core protects a request's hits from its promotions for one
+    /// step (★8), and each round ends one.
     fn resolve(
         &self,
         req: RequestId,
@@ -311,9 +311,9 @@ impl PageCache {
             let mut inner = self.lock();
             let driver = inner.driver()?;
             let mut still = Vec::new();
-            if pins.is_some() {
-                open.sort_by_key(|&i| !is_ready(driver, &keys[i]));
-            }
+            // Ready keys first: each is pinned (with `pins`) or protected for this step (★8)
+            // before any promotion of the others could evict it.
+            open.sort_by_key(|&i| !is_ready(driver, &keys[i]));
             // Only a lookup answered Miss can have had its promotion refused: the counter is
             // read again after those alone.
             let mut refused = driver.manager().stats().promotions_refused;
@@ -378,11 +378,12 @@ impl PageCache {
                 return Ok(answers);
             }
             self.wait_for_io(inner)?;
-            open = match (pins.is_some(), still.last()) {
-                (false, Some(&last)) => (0..=last)
+            open = if pins.is_some() {
+                still
+            } else {
+                (0..keys.len())
                     .filter(|&i| answers[i] == Lookup::Hit || still.binary_search(&i).is_ok())
-                    .collect(),
-                _ => still,
+                    .collect()
             };
         }
     }

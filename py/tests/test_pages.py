@@ -9,6 +9,7 @@ import threading
 import uuid
 
 import numpy as np
+import pytest
 
 from kvtier import _native
 
@@ -65,13 +66,14 @@ def test_promotions_refused_for_want_of_slots_are_asked_again_until_the_pins_go(
             pc.shutdown()
 
 
-def test_exists_keeps_the_pages_it_found_while_it_waits_for_the_next(redis_server):
+@pytest.mark.parametrize("found_first", [True, False])
+def test_exists_keeps_the_pages_it_found_while_it_waits_for_another(redis_server, found_first):
     """★8 through the page calls: ``exists`` answers the leading run of pages ready at once,
-    and a promotion it waits for must not evict a page it found before it. The core protects
-    a request's hits for one step, and each round of the wait ends one: every round looks the
-    run up again, as vLLM's scheduler does at every step. Here page A is found, page B is only
-    in the stalled tier, and the primary's other slot is pinned by a cascade: B's promotion
-    waits for that slot, and never takes A's."""
+    and a promotion it waits for must not evict a page it found, before or after it in the
+    run. The core protects a request's hits for one step, and each round of the wait ends
+    one: every round looks every page found up again, as vLLM's scheduler does at every step.
+    Here page A is found, page B is only in the stalled tier, and the primary's other slot is
+    pinned by a cascade: B's promotion waits for that slot, and never takes A's."""
     url, proc = redis_server
     pc = cache(2, url)
     try:
@@ -86,7 +88,7 @@ def test_exists_keeps_the_pages_it_found_while_it_waits_for_the_next(redis_serve
             assert pc.set([x], *pieces(data[2:3]))  # evicts B, held in the tier
             assert pc.stats()["job_pins"] == 1
             threading.Timer(0.3, os.kill, (proc.pid, signal.SIGCONT)).start()
-            found = pc.exists([a, b])
+            found = pc.exists([a, b] if found_first else [b, a])
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         assert found == 2
