@@ -183,8 +183,73 @@ fn memory_report() {
     drop(m);
 }
 
+/// `store_evict_lru` and `store_evict_reuse` side by side: the two managers take turns of
+/// `TURN` batches each (which goes first alternating), so that the machine's drift (this
+/// benchmark's figures moved by up to 1.8× between criterion runs on a shared VM) falls on
+/// both alike, while each turn is long enough to run in its own steady state of the caches.
+/// Prints each policy's median turn per batch and the median of the rounds' ratios.
+fn store_evict_side_by_side() {
+    const TURN: usize = 64;
+    const ROUNDS: usize = 400;
+    let mut lru = filled(PolicyKind::Lru, false);
+    let mut reuse = filled(PolicyKind::Reuse, false);
+    let mut next = [u64::from(SLOTS); 2];
+    let mut id = 0;
+    let mut turn = |m: &mut Manager, next: &mut u64, batches: usize| {
+        // The keys are made before the clock starts, as criterion's inputs are.
+        let inputs: Vec<Vec<Key>> = (0..batches)
+            .map(|_| {
+                *next += BATCH;
+                batch(*next)
+            })
+            .collect();
+        // A benchmark times itself; the core it times reads no clock.
+        #[allow(clippy::disallowed_methods)]
+        let start = std::time::Instant::now();
+        for ks in inputs {
+            let req = request(m, &mut id, &ks);
+            let p = m.prepare_store(req, &ks).expect("room");
+            black_box(p.slots.len());
+            m.complete_store(req, &ks, true);
+            m.request_finished(req);
+        }
+        start.elapsed().as_nanos() as f64 / batches as f64
+    };
+    // Fill the reuse policy's ghost (its worst case, as in the criterion run's steady state)
+    // and warm both.
+    let ghosts = 2 * kvtier_core::policy::GHOST_GENERATION_CAPACITIES as u64 * u64::from(SLOTS);
+    turn(&mut reuse, &mut next[1], (ghosts / BATCH) as usize);
+    turn(&mut lru, &mut next[0], (ghosts / BATCH) as usize);
+    let (mut a, mut b, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        let (x, y) = if round % 2 == 0 {
+            let x = turn(&mut lru, &mut next[0], TURN);
+            (x, turn(&mut reuse, &mut next[1], TURN))
+        } else {
+            let y = turn(&mut reuse, &mut next[1], TURN);
+            (turn(&mut lru, &mut next[0], TURN), y)
+        };
+        a.push(x);
+        b.push(y);
+        ratios.push(y / x);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (ma, mb) = (median(&mut a), median(&mut b));
+    eprintln!(
+        "store_evict side by side ({ROUNDS} turns of {TURN} batches of {BATCH} blocks each): lru {:.2} µs, reuse {:.2} µs per batch; reuse ÷ lru {:.2} (medians), {:.2} (median of the turns' ratios)",
+        ma / 1e3,
+        mb / 1e3,
+        mb / ma,
+        median(&mut ratios)
+    );
+}
+
 fn benches(c: &mut Criterion) {
     memory_report();
+    store_evict_side_by_side();
     let mut g = c.benchmark_group("core_ops");
     g.sample_size(20);
     g.measurement_time(std::time::Duration::from_secs(3));

@@ -44,7 +44,9 @@
 //! 0.1593 against 0.1652, LRU 0.1566) that the filters are sized for about one
 //! false positive in 7,000 lookups of a full generation. They never hold fewer than 4,096
 //! bits, so a small cache (a few dozen keys) practically never sees one. The recent victims of
-//! U9 are filters of the same kind.
+//! U9 are filters of the same kind. A filter's two generations sit side by side, block by
+//! block, in one aligned pair of cache lines: a lookup asks both, and the policy's cost is
+//! mostly these lookups' cache misses.
 //!
 //! Each class is an intrusive list in due order, so every operation is O(1) but `select`,
 //! which merges the five lists' heads. Metadata: 16 bytes per entry (links and due),
@@ -125,11 +127,58 @@ const PROBES: u32 = 6;
 /// The fewest blocks of a generation (4,096 bits).
 const MIN_BLOCKS: usize = 8;
 
+/// A block of each of the ghost's two generations, side by side in one aligned pair of
+/// lines: a lookup asks both generations, and a pair is fetched from memory as one.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(128))]
+struct Pair([Line; 2]);
+
+/// Two generations of one blocked Bloom filter, block by block (`pairs[b].0[g]`: generation
+/// `g`'s block `b`); empty until the first key.
+#[derive(Clone, Debug, Default)]
+struct Generations {
+    pairs: Vec<Pair>,
+}
+
+impl Generations {
+    /// Whether either generation has every bit of a key's probes.
+    fn holds(&self, block: usize, bits: &[u32]) -> bool {
+        self.pairs
+            .get(block)
+            .is_some_and(|pair| pair.0.iter().any(|line| line_holds(line, bits)))
+    }
+
+    /// Sets a key's probes in generation `g`, first sizing the filter to `blocks`.
+    fn set(&mut self, g: usize, blocks: usize, block: usize, bits: &[u32]) {
+        if self.pairs.is_empty() {
+            self.pairs.resize(blocks, Pair::default());
+        }
+        filter_set_line(&mut self.pairs[block].0[g], bits);
+    }
+
+    /// Clears generation `g`.
+    fn clear(&mut self, g: usize) {
+        for pair in &mut self.pairs {
+            pair.0[g] = Line::default();
+        }
+    }
+
+    /// Generation `g`'s lines, in block order (none while empty).
+    fn generation(&self, g: usize) -> impl Iterator<Item = &Line> {
+        self.pairs.iter().map(move |pair| &pair.0[g])
+    }
+
+    /// Blocks per generation, 0 while empty.
+    fn blocks(&self) -> usize {
+        self.pairs.len()
+    }
+}
+
 /// Two generations of evicted keys (U6), each a blocked Bloom filter.
 #[derive(Clone, Debug)]
 struct Ghost {
-    /// The generations' bits, `blocks × 8` words each; empty until the first key.
-    gens: [Vec<u64>; 2],
+    /// The generations, side by side.
+    gens: Generations,
     /// The generation keys go into.
     current: usize,
     /// Keys the current generation has taken.
@@ -157,33 +206,40 @@ fn probes(key: &Key, blocks: usize) -> (usize, [u32; PROBES as usize]) {
     (block, bits)
 }
 
-/// Whether `filter` (empty: holds nothing) has every bit of a key's probes.
-fn filter_holds(filter: &[u64], block: usize, bits: &[u32]) -> bool {
-    !filter.is_empty()
-        && bits
-            .iter()
-            .all(|&b| filter[block * 8 + (b as usize >> 6)] & (1 << (b & 63)) != 0)
+/// One block of a filter: a cache line, aligned as one, so that a key's probes touch one
+/// line of memory (a `Vec<u64>` is aligned to 8 or 16 bytes only, and its 64-byte blocks
+/// straddled two lines: a lookup that missed the caches paid two misses).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(64))]
+struct Line([u64; 8]);
+
+/// Whether `line` has every bit of a key's probes.
+fn line_holds(line: &Line, bits: &[u32]) -> bool {
+    bits.iter()
+        .all(|&b| line.0[(b as usize >> 6) & 7] & (1 << (b & 63)) != 0)
 }
 
-/// Sets a key's probes in `filter`, first sizing it to `words` if it is empty.
-fn filter_set(filter: &mut Vec<u64>, words: usize, block: usize, bits: &[u32]) {
-    if filter.is_empty() {
-        filter.resize(words, 0);
-    }
+/// Sets a key's probes in its block's `line`.
+fn filter_set_line(line: &mut Line, bits: &[u32]) {
     for &b in bits {
-        filter[block * 8 + (b as usize >> 6)] |= 1 << (b & 63);
+        line.0[(b as usize >> 6) & 7] |= 1 << (b & 63);
     }
 }
 
 /// The bits set in `filter`.
-fn filter_bits_set(filter: &[u64]) -> u64 {
-    filter.iter().map(|w| u64::from(w.count_ones())).sum()
+fn filter_bits_set<'a>(filter: impl IntoIterator<Item = &'a Line>) -> u64 {
+    filter
+        .into_iter()
+        .flat_map(|line| line.0)
+        .map(|w| u64::from(w.count_ones()))
+        .sum()
 }
 
 /// Writes `filter`'s nonzero words as `index:bits,` (canonical forms: few in a model's
 /// small states).
-fn write_filter(out: &mut String, filter: &[u64]) {
-    for (w, bits) in filter.iter().enumerate().filter(|(_, b)| **b != 0) {
+fn write_filter<'a>(out: &mut String, filter: impl IntoIterator<Item = &'a Line>) {
+    let words = filter.into_iter().flat_map(|line| line.0);
+    for (w, bits) in words.enumerate().filter(|(_, b)| *b != 0) {
         let _ = write!(out, "{w}:{bits:x},");
     }
 }
@@ -206,8 +262,8 @@ const RECENT_WINDOW_40THS: usize = 16;
 /// not: it counts victims, not keys.
 #[derive(Clone, Debug)]
 struct Recent {
-    /// `filters[generation][class]`; empty until the first key.
-    filters: [[Vec<u64>; CLASSES]; 2],
+    /// One filter per class, its two generations side by side.
+    filters: [Generations; CLASSES],
     /// Victims each filter took.
     counts: [[u64; CLASSES]; 2],
     /// The generation victims go into.
@@ -237,12 +293,12 @@ impl Recent {
         }
         let (block, bits) = probes(key, self.blocks);
         let g = self.current;
-        filter_set(&mut self.filters[g][class], self.blocks * 8, block, &bits);
+        self.filters[class].set(g, self.blocks, block, &bits);
         self.counts[g][class] += 1;
         if self.counts[g].iter().sum::<u64>() == self.limit {
             self.current = 1 - g;
-            for f in &mut self.filters[self.current] {
-                f.fill(0);
+            for f in &mut self.filters {
+                f.clear(self.current);
             }
             self.counts[self.current] = [0; CLASSES];
         }
@@ -255,11 +311,7 @@ impl Recent {
             return None;
         }
         let (block, bits) = probes(key, self.blocks);
-        (REUSED..CLASSES).find(|&c| {
-            self.filters
-                .iter()
-                .any(|generation| filter_holds(&generation[c], block, &bits))
-        })
+        (REUSED..CLASSES).find(|&c| self.filters[c].holds(block, &bits))
     }
 
     /// Victims of `class` both generations hold.
@@ -276,7 +328,7 @@ impl Recent {
 impl Ghost {
     fn new(limit: usize) -> Self {
         Ghost {
-            gens: [Vec::new(), Vec::new()],
+            gens: Generations::default(),
             current: 0,
             taken: 0,
             limit,
@@ -286,7 +338,7 @@ impl Ghost {
 
     fn contains(&self, key: &Key) -> bool {
         let (block, bits) = probes(key, self.blocks);
-        self.gens.iter().any(|g| filter_holds(g, block, &bits))
+        self.gens.holds(block, &bits)
     }
 
     /// U6: remembers `key` unless a generation holds it; a full generation makes the older
@@ -296,14 +348,14 @@ impl Ghost {
             return;
         }
         let (block, bits) = probes(key, self.blocks);
-        if self.gens.iter().any(|g| filter_holds(g, block, &bits)) {
+        if self.gens.holds(block, &bits) {
             return;
         }
-        filter_set(&mut self.gens[self.current], self.blocks * 8, block, &bits);
+        self.gens.set(self.current, self.blocks, block, &bits);
         self.taken += 1;
         if self.taken == self.limit {
             self.current = 1 - self.current;
-            self.gens[self.current].fill(0);
+            self.gens.clear(self.current);
             self.taken = 0;
         }
     }
@@ -408,9 +460,9 @@ impl ReusePolicy {
         // The ghost: which generation is current, how many keys it took, and each
         // generation's set bits (few in a model's small states).
         let _ = write!(out, "|ghost{}/{}", self.ghost.current, self.ghost.taken);
-        for filter in &self.ghost.gens {
+        for g in 0..2 {
             out.push(';');
-            write_filter(out, filter);
+            write_filter(out, self.ghost.gens.generation(g));
         }
         // U9: the bonuses, then the recent victims: the current generation, each filter's
         // count and set bits.
@@ -420,10 +472,10 @@ impl ReusePolicy {
             "|bonus{:?}/{}|recent{}",
             &self.bonus, self.fifths, r.current
         );
-        for (generation, counts) in r.filters.iter().zip(&r.counts) {
-            for (filter, count) in generation.iter().zip(counts) {
+        for (g, counts) in r.counts.iter().enumerate() {
+            for (filter, count) in r.filters.iter().zip(counts) {
                 let _ = write!(out, ";{count}:");
-                write_filter(out, filter);
+                write_filter(out, filter.generation(g));
             }
         }
         out.push(']');
@@ -559,27 +611,31 @@ impl EvictionPolicy for ReusePolicy {
             }
         }
         let g = &self.ghost;
-        let words = g.blocks * 8;
+        let blocks = g.blocks;
         if g.current > 1
             || (g.limit > 0 && g.taken >= g.limit)
-            || g.gens.iter().any(|v| !v.is_empty() && v.len() != words)
+            || (g.gens.blocks() != 0 && g.gens.blocks() != blocks)
         {
             return Err(format!(
-                "ghost: generation {}, {} taken of {}, sizes {} and {} words of {words}",
+                "ghost: generation {}, {} taken of {}, {} blocks of {blocks}",
                 g.current,
                 g.taken,
                 g.limit,
-                g.gens[0].len(),
-                g.gens[1].len()
+                g.gens.blocks()
             ));
         }
         let r = &self.recent;
-        let words = r.blocks * 8;
-        let bits_ok = r.filters.iter().zip(&r.counts).all(|(generation, counts)| {
-            generation.iter().zip(counts).all(|(f, &n)| {
-                (f.is_empty() || f.len() == words) && filter_bits_set(f) <= n * u64::from(PROBES)
-            })
-        });
+        let blocks = r.blocks;
+        let bits_ok = r
+            .filters
+            .iter()
+            .all(|f| f.blocks() == 0 || f.blocks() == blocks)
+            && r.counts.iter().enumerate().all(|(g, counts)| {
+                r.filters
+                    .iter()
+                    .zip(counts)
+                    .all(|(f, &n)| filter_bits_set(f.generation(g)) <= n * u64::from(PROBES))
+            });
         let full = |g: usize| r.counts[g].iter().sum::<u64>();
         let reused = self.bonus[REUSED];
         if self.fifths >= CLASSES as u64
@@ -594,7 +650,7 @@ impl EvictionPolicy for ReusePolicy {
                 self.bonus, self.fifths, r.current, r.counts, r.limit
             ));
         }
-        let set = filter_bits_set(&g.gens[g.current]);
+        let set = filter_bits_set(g.gens.generation(g.current));
         if set > g.taken as u64 * u64::from(PROBES) {
             return Err(format!(
                 "ghost: {set} bits set by {} keys of {PROBES} bits",
