@@ -127,8 +127,9 @@ const PROBES: u32 = 6;
 /// The fewest blocks of a generation (4,096 bits).
 const MIN_BLOCKS: usize = 8;
 
-/// A block of each of the ghost's two generations, side by side in one aligned pair of
-/// lines: a lookup asks both generations, and a pair is fetched from memory as one.
+/// A block of each of a filter's two generations (the ghost's, or a class's recent victims'),
+/// side by side in one aligned pair of lines: a lookup asks both generations, and the caches'
+/// prefetcher usually fetches two adjacent lines together.
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C, align(128))]
 struct Pair([Line; 2]);
