@@ -185,8 +185,9 @@ fn memory_report() {
 
 /// `store_evict_lru` and `store_evict_reuse` side by side: the two managers take turns of
 /// `TURN` batches each (which goes first alternating), so that the machine's drift (this
-/// benchmark's figures moved by up to 1.8× between criterion runs on the development VM) falls on
-/// both alike, while each turn is long enough to run in its own steady state of the caches.
+/// benchmark's figures moved by up to 1.8× between criterion runs on the development VM)
+/// falls on both alike, while each turn is long enough to run in its own steady state of the
+/// caches.
 /// Prints each policy's median turn per batch and the median of the rounds' ratios.
 fn store_evict_side_by_side() {
     const TURN: usize = 64;
