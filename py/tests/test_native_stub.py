@@ -183,6 +183,13 @@ def _signature_cases() -> list[Any]:
 # --- tests --------------------------------------------------------------------------------
 
 
+def _class_pair(name: str) -> tuple[type, ast.ClassDef]:
+    """The module's class `name` and the stub's."""
+    node = STUB_CLASSES.get(name)
+    assert node is not None, f"the stub has no class {name}"
+    return MODULE_CLASSES[name], node
+
+
 def test_stub_is_valid_python_syntax():
     compile(STUB.read_text(encoding="utf-8"), str(STUB), "exec", flags=ast.PyCF_ONLY_AST)
     assert STUB_TOP, "the stub defines nothing"
@@ -198,9 +205,7 @@ def test_stub_top_level_names_match_module():
 
 @pytest.mark.parametrize("name", sorted(MODULE_CLASSES))
 def test_stub_class_members_match_module(name):
-    cls = MODULE_CLASSES[name]
-    node = STUB_CLASSES.get(name)
-    assert node is not None, f"the stub has no class {name}"
+    cls, node = _class_pair(name)
     live, stub = _module_members(cls), _stub_members(node)
     assert stub == live, (
         f"{name}: only in the module: {sorted(live - stub)}; "
@@ -210,9 +215,7 @@ def test_stub_class_members_match_module(name):
 
 @pytest.mark.parametrize("name", sorted(MODULE_CLASSES))
 def test_stub_properties_are_the_module_getters(name):
-    cls = MODULE_CLASSES[name]
-    node = STUB_CLASSES.get(name)
-    assert node is not None, f"the stub has no class {name}"
+    cls, node = _class_pair(name)
     members = _defs(node.body)
     for attr, value in vars(cls).items():
         if _dunder(attr) or attr not in members:
@@ -238,9 +241,7 @@ def test_stub_signature_matches_text_signature(obj, node):
 @pytest.mark.parametrize("name", sorted(MODULE_CLASSES))
 def test_stub_class_bases_match_module(name):
     """Exception classes (and the others, whose base is ``object``) subclass what they do."""
-    cls = MODULE_CLASSES[name]
-    node = STUB_CLASSES.get(name)
-    assert node is not None, f"the stub has no class {name}"
+    cls, node = _class_pair(name)
     live = [b.__name__ for b in cls.__bases__ if b is not object]
     stub = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
     assert stub == live, f"{name}: bases {live} in the module, {stub} in the stub"
@@ -248,9 +249,7 @@ def test_stub_class_bases_match_module(name):
 
 @pytest.mark.parametrize("name", sorted(MODULE_CLASSES))
 def test_stub_final_marks_classes_that_cannot_be_subclassed(name):
-    cls = MODULE_CLASSES[name]
-    node = STUB_CLASSES.get(name)
-    assert node is not None, f"the stub has no class {name}"
+    cls, node = _class_pair(name)
     final_live = not cls.__flags__ & BASETYPE
     final_stub = "final" in _decorators(node)
     assert final_stub == final_live, (
