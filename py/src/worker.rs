@@ -495,8 +495,8 @@ impl Worker {
     /// stream the job is ordered after (a `CUstream` as an integer; 0 or none: the legacy
     /// default stream). A store's `seal` is set on each of its slots for this rank once all
     /// its pages are copied (the manager checks it before it makes the blocks readable).
-    /// Answers whether the job was queued; a job that was not never appears in
-    /// `get_finished`.
+    /// Answers whether the job was queued (never after `shutdown`); a job that was not never
+    /// appears in `get_finished`.
     #[pyo3(signature = (job_id, store, block_ids, group_sizes, block_indices, slots, stream = None,
         seal = None))]
     #[allow(clippy::too_many_arguments)]
@@ -524,6 +524,13 @@ impl Worker {
             seal,
             submitted: Instant::now(),
         };
+        // Held to the end of the submission: `shutdown` takes the sender first, so a job is
+        // either queued before it (and waited for) or refused, on the GPU as on the CPU (a
+        // GPU job after it would make a new engine that nothing drops).
+        let sender = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(tx) = sender.as_ref() else {
+            return Ok(false);
+        };
         if store && job.copies.is_empty() {
             // Nothing of it is this rank's to write (a replicated layout's other writers).
             self.start(job_id)?;
@@ -535,10 +542,6 @@ impl Worker {
             self.submit_gpu(gpu, job, stream.unwrap_or(0));
             return Ok(true);
         }
-        let sender = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(tx) = sender.as_ref() else {
-            return Ok(false);
-        };
         self.start(job_id)?;
         if tx.send(job).is_err() {
             let mut done = self

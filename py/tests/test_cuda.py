@@ -173,3 +173,22 @@ def test_a_load_waits_for_the_kernels_that_read_the_blocks_it_overwrites(region_
     finally:
         worker.shutdown()
         manager.shutdown()
+
+
+@pytest.mark.skipif(not GPU, reason="GPU tests run with KVTIER_GPU_TESTS=1")
+def test_a_gpu_job_submitted_after_shutdown_is_refused(region_dir):
+    """Shutdown drops the CUDA engine: a later job is refused (as on the CPU), not given a
+    new engine that nothing would drop."""
+    import torch
+
+    _, manager, worker = _one_tensor_cache(torch, 4, 4096, region_dir)
+    try:
+        ctx = base.ReqContext(req_id="late")
+        manager.on_new_request(ctx)
+        _store(manager, worker, 1, [b"a"], ctx, [0])
+        out = manager.prepare_store([b"b"], ctx)
+        worker.shutdown()
+        assert not worker.submit_store(2, base.GPULoadStoreSpec([1], [1], [0]), out.store_spec)
+        assert worker.get_finished() == []
+    finally:
+        manager.shutdown()

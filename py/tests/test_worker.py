@@ -331,3 +331,24 @@ def test_copy_cpus_with_no_usable_cpu_is_refused(region_dir):
     )
     with pytest.raises(kvtier.ConfigError, match=r"copy_cpus: cannot run a thread on CPUs \[1023\]"):
         kv.KvtierOffloadingWorker(caches, settings)
+
+
+
+def test_a_job_submitted_after_shutdown_is_refused_and_never_reported(region_dir):
+    # A replicated layout's two ranks: one block's slot is one rank's to copy, and the other
+    # has nothing to copy (its submission used to end at once, shut down or not).
+    caches = kv_caches([[(256, 256)]], 4, np.random.default_rng(3))
+    settings = kv.Settings(
+        num_blocks=4, region_path=str(region_dir / "region"), block_bytes_per_worker=256,
+        workers=2, replicated=True,
+    )
+    manager = kv.KvtierOffloadingManager(settings, prefault_threads=1)
+    ranks = [kv.KvtierOffloadingWorker(caches, settings, rank=r) for r in (0, 1)]
+    ctx = base.ReqContext(req_id="late")
+    manager.on_new_request(ctx)
+    out = manager.prepare_store([b"late"], ctx)
+    for job, worker in enumerate(ranks, start=1):
+        worker.shutdown()
+        assert not worker.submit_store(job, base.GPULoadStoreSpec([0], [1], [0]), out.store_spec)
+        assert worker.get_finished() == []
+    manager.shutdown()

@@ -10,7 +10,7 @@ A key is ``bytes`` (vLLM's ``OffloadKey``); any other type raises ``TypeError``.
 from collections.abc import Iterable, Sequence
 from os import PathLike
 from pathlib import Path
-from typing import Any, final
+from typing import Any, Literal, final
 
 __version__: str
 
@@ -67,7 +67,10 @@ class Manager:
         verify_stores: bool = False,
         hit_pending_timeout_s: float | None = None,
     ) -> Manager:
-        """Creates the region at ``region_path`` and opens the secondary ``tiers``."""
+        """Creates the region at ``region_path`` and opens the secondary ``tiers``.
+
+        ``answers`` are exactly four: vLLM's Miss, Hit, HitPending and Retry, in that order.
+        """
 
     @property
     def region_path(self) -> Path:
@@ -117,7 +120,7 @@ class Manager:
     def on_schedule_end(self, context: Any = None) -> None:
         """vLLM's ``on_schedule_end``: ends the scheduler step."""
 
-    def take_events(self) -> list[tuple[int, int, list[bytes]]]:
+    def take_events(self) -> list[tuple[int, Literal[0, 1, 2], list[bytes]]]:
         """``(tier, kind, keys)`` per event: tier -1 primary; kind 0 stored, 1 removed, 2 discarded."""
 
     def has_pending_work(self) -> bool:
@@ -130,7 +133,8 @@ class Manager:
         """vLLM's ``on_reset_flushed``: promotions may take freed slots again."""
 
     def take_metrics(self) -> tuple[float, float, float, list[int], int | None]:
-        """``(usage, write_usage, read_usage, allocation_sizes, stores_skipped)`` of the primary."""
+        """``(usage, write_usage, read_usage, allocation_sizes, stores_skipped)`` of the primary;
+        ``stores_skipped`` is ``None`` unless ``store_threshold`` is 2 or more."""
 
     def take_tier_metrics(self) -> list[dict[str, int | bool | list[tuple[bool, float]]]]:
         """Per secondary tier, its gauges, counters and promotion latencies since the last call."""
@@ -175,7 +179,9 @@ class PageCache:
         """Copies the pages of ``keys`` into the caller's pieces; per key, whether in full."""
 
     def set(self, keys: Iterable[bytes], addrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
-        """Stores the pages of ``keys`` from the caller's pieces; per key, whether it is held."""
+        """Stores the pages of ``keys`` from the caller's pieces; per key, whether it was Ready
+        already or its page was copied in whole (it may since have been evicted, even by this
+        call's later keys)."""
 
     def end_step(self) -> None:
         """Ends a core step: tier IO results are applied, queued promotions go out."""
@@ -218,10 +224,10 @@ class HostedTier:
         """Blocks the tier can hold."""
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Literal["file", "redis", "s3"]:
         """The store's kind: ``"file"``, ``"redis"`` or ``"s3"``."""
 
-    def lookup(self, key: bytes) -> int:
+    def lookup(self, key: bytes) -> Literal[0, 1, 2]:
         """0 miss, 1 hit, 2 retry."""
 
     def submit_store(self, job: int, keys: Iterable[bytes], chunks: Sequence[int]) -> None:
@@ -231,7 +237,11 @@ class HostedTier:
         """Load job ``job`` reads ``keys`` into the primary chunks ``chunks``."""
 
     def finished(self) -> list[tuple[int, bool, list[bytes] | None, int, float | None]]:
-        """Jobs ended since the last call: ``(job, success, succeeded keys, bytes, seconds)``."""
+        """Jobs ended since the last call: ``(job, success, read_keys, bytes, seconds)``.
+
+        ``read_keys`` lists the keys a failed load did read, else ``None``; ``seconds`` is
+        ``None`` for a job that did no IO.
+        """
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """The host used ``keys``."""
@@ -249,10 +259,15 @@ class HostedTier:
         """``(removed, keys)`` per change of what the tier holds since the last call."""
 
     def stats(self) -> dict[str, int | str | None]:
-        """Counts since the tier was opened, and ``last_error``; empty after shutdown."""
+        """Gauges now (``up`` is 0 or 1), counts since the tier was opened, and ``last_error``;
+        empty after shutdown."""
 
     def shutdown(self, timeout_s: float) -> None:
-        """Drains (up to ``timeout_s``), stops the IO threads; ``TierError`` if jobs still run."""
+        """Drains (up to ``timeout_s``), stops the IO threads; ``TierError`` if jobs still run.
+
+        After ``TierError`` the running jobs finish on their own and may still write the host's
+        memory: keep it mapped for the life of the process.
+        """
 
     def check_invariants(self) -> None:
         """Checks the tier's invariants; raises ``StateError`` naming a broken one."""
@@ -295,7 +310,8 @@ class Worker:
         stream: int | None = None,
         seal: int | None = None,
     ) -> bool:
-        """Starts a store (tensors to region) or load job; whether it was queued."""
+        """Starts a store (tensors to region) or load job; whether it was queued (never after
+        ``shutdown``)."""
 
     def get_finished(self) -> list[tuple[int, bool, int, float]]:
         """Jobs ended since the last call: ``(job_id, success, bytes, seconds)``."""
