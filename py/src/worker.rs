@@ -525,8 +525,8 @@ impl Worker {
             submitted: Instant::now(),
         };
         // Held to the end of the submission: `shutdown` takes the sender first, so a job is
-        // either queued before it (and waited for) or refused, on the GPU as on the CPU (a
-        // GPU job after it would make a new engine that nothing drops).
+        // either queued before it (and waited for, and reported) or refused, on the GPU as on
+        // the CPU (a GPU job after it would make a new engine, outliving the shutdown).
         let sender = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(tx) = sender.as_ref() else {
             return Ok(false);
@@ -613,7 +613,8 @@ impl Worker {
         });
     }
 
-    /// Lets the queued jobs finish (GIL released) and stops the copy thread.
+    /// Lets the queued and in-flight jobs finish (GIL released; `get_finished` reports them),
+    /// stops the copy thread and drops the CUDA engine. Later jobs are refused.
     fn shutdown(&self, py: Python<'_>) {
         self.jobs
             .lock()
@@ -630,13 +631,25 @@ impl Worker {
             });
         }
         if let Some(gpu) = &self.gpu {
-            // Dropping the engine waits for its streams' copies.
             let engine = gpu
                 .engine
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .take();
-            py.detach(move || drop(engine));
+            let done = &gpu.done;
+            py.detach(move || {
+                if let Some(mut engine) = engine {
+                    // The jobs in flight end before the engine goes, and are reported (below,
+                    // and by `get_finished`): dropped with them in flight, they would stay
+                    // running for ever, and `wait` for them would never return. A context
+                    // that is gone ends them as failed at once.
+                    while engine.poll(done) {
+                        std::thread::sleep(Duration::from_micros(20));
+                    }
+                    // Dropping the engine waits for its streams' copies.
+                    drop(engine);
+                }
+            });
             self.poll_gpu();
         }
     }

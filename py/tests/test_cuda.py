@@ -192,3 +192,30 @@ def test_a_gpu_job_submitted_after_shutdown_is_refused(region_dir):
         assert worker.get_finished() == []
     finally:
         manager.shutdown()
+
+
+@pytest.mark.skipif(not GPU, reason="GPU tests run with KVTIER_GPU_TESTS=1")
+def test_a_gpu_job_in_flight_at_shutdown_ends_and_is_reported(region_dir):
+    """Shutdown lets a job still copying end, and reports it: ``get_finished`` has it and
+    ``wait`` for it returns (dropped in flight, it stayed running for ever)."""
+    import threading
+
+    import torch
+
+    blocks, page = 64, 4 << 20  # 256 MiB: still copying when shutdown begins
+    _, manager, worker = _one_tensor_cache(torch, blocks, page, region_dir)
+    try:
+        ctx = base.ReqContext(req_id="in-flight")
+        manager.on_new_request(ctx)
+        keys = [b"f%d" % i for i in range(blocks)]
+        out = manager.prepare_store(keys, ctx)
+        spec = base.GPULoadStoreSpec(list(range(blocks)), [blocks], [0])
+        assert worker.submit_store(1, spec, out.store_spec)
+        worker.shutdown()
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+        waiting = threading.Thread(target=worker.wait, args=({1},), daemon=True)
+        waiting.start()
+        waiting.join(10)
+        assert not waiting.is_alive(), "wait for a job reported ended did not return"
+    finally:
+        manager.shutdown()

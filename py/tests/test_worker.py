@@ -333,7 +333,6 @@ def test_copy_cpus_with_no_usable_cpu_is_refused(region_dir):
         kv.KvtierOffloadingWorker(caches, settings)
 
 
-
 def test_a_job_submitted_after_shutdown_is_refused_and_never_reported(region_dir):
     # A replicated layout's two ranks: one block's slot is one rank's to copy, and the other
     # has nothing to copy (its submission used to end at once, shut down or not).
@@ -351,4 +350,5 @@ def test_a_job_submitted_after_shutdown_is_refused_and_never_reported(region_dir
         worker.shutdown()
         assert not worker.submit_store(job, base.GPULoadStoreSpec([0], [1], [0]), out.store_spec)
         assert worker.get_finished() == []
+        assert job not in worker._stores  # a refused store is not awaited
     manager.shutdown()

@@ -323,7 +323,8 @@ class Worker:
         """Waits until none of ``job_ids`` is running."""
 
     def shutdown(self) -> None:
-        """Lets the queued jobs finish and stops the copy thread."""
+        """Lets the queued and in-flight jobs finish (``get_finished`` reports them), stops
+        the copy thread and drops the CUDA engine; later jobs are refused."""
 
     def _inject_page_delay(self, micros: int) -> None:
         """Test hook: pauses ``micros`` after each page copy from now on."""

@@ -917,8 +917,11 @@ class KvtierOffloadingWorker(_base.OffloadingWorker):
         stream = self._stream() if self._stream is not None else None
         seal = getattr(slots_spec, "generation", None) if store else None
         if store:
-            self._stores.add(job_id)
-        return self._native.submit(job_id, store, ids, sizes, indices, slots, stream, seal)
+            self._stores.add(job_id)  # before: the job may end before `submit` returns
+        queued = self._native.submit(job_id, store, ids, sizes, indices, slots, stream, seal)
+        if store and not queued:
+            self._stores.discard(job_id)  # never reported by `get_finished`
+        return queued
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         return self._submit(job_id, True, src_spec, dst_spec)
