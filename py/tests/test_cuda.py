@@ -178,7 +178,7 @@ def test_a_load_waits_for_the_kernels_that_read_the_blocks_it_overwrites(region_
 @pytest.mark.skipif(not GPU, reason="GPU tests run with KVTIER_GPU_TESTS=1")
 def test_a_gpu_job_submitted_after_shutdown_is_refused(region_dir):
     """Shutdown drops the CUDA engine: a later job is refused (as on the CPU), not given a
-    new engine that nothing would drop."""
+    new engine that outlives the shutdown."""
     import torch
 
     _, manager, worker = _one_tensor_cache(torch, 4, 4096, region_dir)
