@@ -269,7 +269,6 @@ impl HostedTier {
             ("capacity_bytes", u64::from(capacity) * row),
             ("blocks", blocks as u64),
             ("bytes", blocks as u64 * row),
-            ("up", u64::from(d.health() == Health::Up)),
             ("cascade_jobs", c.store_jobs),
             ("blocks_cascaded", c.blocks_stored + c.store_failures),
             ("bytes_written", s.bytes_written),
@@ -297,6 +296,8 @@ impl HostedTier {
         ] {
             out.set_item(k, v)?;
         }
+        // A bool, as `Manager.take_tier_metrics` gives it.
+        out.set_item("up", d.health() == Health::Up)?;
         out.set_item("last_error", d.last_error())?;
         Ok(out)
     }

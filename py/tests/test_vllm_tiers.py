@@ -217,6 +217,7 @@ def test_the_tier_keeps_its_bound_where_vllms_fs_tier_grows(vllm, tmp_path):
             ours.store([key(i)])
             theirs.store([key(i)])
         stats = ours.tier.stats()
+        assert stats["up"] is True, "a bool, as Manager.take_tier_metrics gives it"
         assert stats["blocks"] <= capacity
         assert stats["evictions"] == n - capacity
         files = [f for f in (tmp_path / "fs").rglob("*.bin")]
@@ -405,7 +406,7 @@ def test_a_redis_tier_that_is_gone_answers_miss_and_goes_down(vllm, redis_server
         answers, loaded = e.fetch([key(1), key(2)])
         assert answers == ["MISS", "MISS"] and not loaded
         stats = e.tier.stats()
-        assert stats["up"] == 0 and stats["times_down"] == 1
+        assert stats["up"] is False and stats["times_down"] == 1
         answers, _ = e.fetch([key(3)])
         assert answers == ["MISS"]
         assert e.tier.stats()["probes"] == stats["probes"], "no probe while Down"

@@ -258,8 +258,8 @@ class HostedTier:
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
         """``(removed, keys)`` per change of what the tier holds since the last call."""
 
-    def stats(self) -> dict[str, int | str | None]:
-        """Gauges now (``up`` is 0 or 1), counts since the tier was opened, and ``last_error``;
+    def stats(self) -> dict[str, int | bool | str | None]:
+        """Gauges now (``up`` a bool), counts since the tier was opened, and ``last_error``;
         empty after shutdown."""
 
     def shutdown(self, timeout_s: float) -> None:
