@@ -105,6 +105,7 @@ no_deadline|differential|after op
 no_tier_learning|differential|after op
 victims_not_refreshed|differential|after op
 lookahead_fixed|differential|after op
+no_return_horizon|differential|after op
 arc_no_fallback|oracle|prepare_store: core
 arc_no_fallback|walk|evictable
 no_hold|hosted|G1

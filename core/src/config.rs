@@ -19,7 +19,7 @@ pub enum PolicyKind {
     Lru,
     /// vLLM's simplified adaptive replacement cache (T1/T2 with ghost lists B1/B2).
     Arc,
-    /// kvtier's reuse-aware LRU (rules U1–U9), for the primary only: blocks reused or back
+    /// kvtier's reuse-aware LRU (rules U1–U10), for the primary only: blocks reused or back
     /// after an eviction outlive new ones by a bonus that starts at two turnovers of the
     /// cache and adapts to how often each kind comes back.
     Reuse,
@@ -121,6 +121,26 @@ pub struct ReuseFilter {
     pub max_tracker_size: u32,
 }
 
+/// How the reuse-aware LRU learns its return horizon (U10). The defaults suit real caches;
+/// the differential checks sample every key and need one gap or three, so that their small
+/// states reach it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReturnHorizon {
+    /// One key in this many, by its hash, is sampled (at least 1).
+    pub sample: u32,
+    /// Sampled return gaps counted before there is a horizon (at least 1).
+    pub min_gaps: u32,
+}
+
+impl Default for ReturnHorizon {
+    fn default() -> Self {
+        ReturnHorizon {
+            sample: 16,
+            min_gaps: 128,
+        }
+    }
+}
+
 /// Configuration of a [`Manager`](crate::Manager).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -139,6 +159,9 @@ pub struct Config {
     /// Record [`Event`](crate::Event)s for `take_events`. Events accumulate until taken: turn
     /// this off when the engine does not consume them.
     pub events: bool,
+    /// How the primary's reuse-aware LRU learns its return horizon (U10); `None`: it has
+    /// none (U1–U9 alone). Other policies ignore it.
+    pub return_horizon: Option<ReturnHorizon>,
     /// ★9 (W1–W7): how long, in the units of [`Manager::set_clock`](crate::Manager::set_clock),
     /// one request may be answered `HitPending` or `Retry` for one key before its lookups of
     /// that key answer `Miss`. `None`: no deadline, as vLLM 0.33.
@@ -156,6 +179,7 @@ impl Config {
             health: HealthConfig::default(),
             reuse: None,
             events: true,
+            return_horizon: Some(ReturnHorizon::default()),
             wait_deadline: None,
         }
     }
@@ -173,6 +197,14 @@ impl Config {
         }
         if self.num_blocks > MAX_BLOCKS {
             return bad("num_blocks", "must be at most 536870910");
+        }
+        if let Some(h) = self.return_horizon {
+            if h.sample == 0 {
+                return bad("return_horizon.sample", "must be at least 1");
+            }
+            if h.min_gaps == 0 {
+                return bad("return_horizon.min_gaps", "must be at least 1");
+            }
         }
         if self.tiers.len() > MAX_TIERS {
             return bad("tiers", "at most 64 secondary tiers");

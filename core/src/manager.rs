@@ -211,7 +211,12 @@ impl Manager {
                 stats: TierStats::default(),
             })
             .collect();
-        let mut primary = Primary::new(config.num_blocks, config.policy, config.reuse);
+        let mut primary = Primary::with_horizon(
+            config.num_blocks,
+            config.policy,
+            config.reuse,
+            config.return_horizon,
+        );
         primary.set_events(config.events);
         let mut tiers: Vec<Tier> = tiers;
         for t in &mut tiers {

@@ -34,6 +34,7 @@ pub const NAMES: &[&str] = &[
     "lookahead_fixed",
     "sglang_count_pending",
     "sglang_report_unread",
+    "no_return_horizon",
 ];
 
 /// Whether the seeded defect `name` is switched on in this process: always `false` unless

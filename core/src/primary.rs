@@ -7,7 +7,7 @@ use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::string::String;
 use alloc::vec::Vec;
 
-use crate::config::{PolicyKind, ReuseFilter};
+use crate::config::{PolicyKind, ReturnHorizon, ReuseFilter};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{Event, EventKind, Lookup, Medium, Transfer};
 use crate::key::{Key, RequestId, SlotId, push_clone};
@@ -253,6 +253,8 @@ pub struct Primary {
     writing: u32,
     /// Metrics since the last `take_metrics`.
     window: Window,
+    /// How a reuse-aware LRU learns its return horizon (kept for `reset`).
+    horizon: Option<ReturnHorizon>,
 }
 
 /// Live requests the primary's LRU has room for without growing (more still fit).
@@ -312,6 +314,17 @@ impl Metrics {
 impl Primary {
     /// A primary tier of `num_blocks` slots (at least 1, below `u32::MAX`).
     pub fn new(num_blocks: u32, policy: PolicyKind, reuse: Option<ReuseFilter>) -> Self {
+        Self::with_horizon(num_blocks, policy, reuse, Some(ReturnHorizon::default()))
+    }
+
+    /// As [`Primary::new`], a reuse-aware LRU learning its return horizon (U10) as `horizon`
+    /// says (`None`: never).
+    pub fn with_horizon(
+        num_blocks: u32,
+        policy: PolicyKind,
+        reuse: Option<ReuseFilter>,
+        horizon: Option<ReturnHorizon>,
+    ) -> Self {
         let n = num_blocks as usize;
         Primary {
             slots: alloc::vec![FREE_SLOT; n],
@@ -321,7 +334,7 @@ impl Primary {
             next_fresh: 0,
             free: Vec::new(),
             policy: {
-                let mut p = Policy::new(policy, n);
+                let mut p = Policy::with_horizon(policy, n, horizon);
                 if let Policy::Lru(lru) = &mut p {
                     lru.reserve_runs(RESERVED_RUNS);
                 }
@@ -340,6 +353,7 @@ impl Primary {
             evictable: 0,
             writing: 0,
             window: Window::default(),
+            horizon,
         }
     }
 
@@ -356,7 +370,7 @@ impl Primary {
         self.index.clear();
         self.next_fresh = 0;
         self.free.clear();
-        self.policy = Policy::new(kind, n);
+        self.policy = Policy::with_horizon(kind, n, self.horizon);
         if let Policy::Lru(lru) = &mut self.policy {
             lru.reserve_runs(RESERVED_RUNS);
         }

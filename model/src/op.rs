@@ -2,7 +2,8 @@
 
 use arbitrary::Arbitrary;
 use kvtier_core::{
-    Admission, Config, HealthConfig, Key, PolicyKind, RequestId, ReuseFilter, TierConfig, TierKind,
+    Admission, Config, HealthConfig, Key, PolicyKind, RequestId, ReturnHorizon, ReuseFilter,
+    TierConfig, TierKind,
 };
 use proptest::prelude::*;
 
@@ -299,6 +300,12 @@ impl ConfigChoice {
         };
         let mut c = Config::new(1 + u32::from(self.primary % 4));
         c.policy = policy(self.primary >> 2);
+        // U10 in states this small: every key sampled, a horizon after one gap or three
+        // (bit 7).
+        c.return_horizon = Some(ReturnHorizon {
+            sample: 1,
+            min_gaps: 1 + 2 * u32::from(self.primary >> 7),
+        });
         c.wait_deadline = match (self.primary >> 4) & 3 {
             0 => None,
             d => Some(1 + u64::from(d) + u64::from((self.primary >> 6) & 1)),

@@ -114,7 +114,7 @@ enum Recency {
         p: f64,
         cap: usize,
     },
-    /// The reuse-aware LRU (U1–U9), the primary's only.
+    /// The reuse-aware LRU (U1–U10), the primary's only.
     Reuse {
         /// Every resident key's class, due time and the order it took them in.
         entries: BTreeMap<Key, ReuseEntry>,
@@ -135,7 +135,80 @@ enum Recency {
         recent: [Vec<(Key, ReuseClass)>; 2],
         recent_current: usize,
         cap: usize,
+        /// U10: the workload's return horizon.
+        horizon: Gaps,
     },
+}
+
+/// U10: sampled keys' last walks, the return gaps they gave, and the horizon.
+#[derive(Clone, Debug, Default)]
+struct Gaps {
+    /// Table position → (tag, clock at the walk), for the positions written.
+    table: BTreeMap<u64, (u32, u64)>,
+    /// Table positions: the capacity, at least 64.
+    len: u64,
+    /// One key in this many is sampled (0: none, U10 off); gaps needed before there is a
+    /// horizon.
+    sample: u64,
+    min_gaps: u32,
+    /// Bucket → gaps counted.
+    gaps: BTreeMap<usize, u32>,
+    /// Idle ticks past which a head goes first; `None`: no horizon.
+    past: Option<u64>,
+}
+
+impl Gaps {
+    /// The gap histogram's bucket of `gap ≥ 1`: 8 an octave, the last (384) for 2^48 or more.
+    fn bucket(gap: u64) -> usize {
+        let octave = gap.ilog2() as usize;
+        if octave >= 48 {
+            return 384;
+        }
+        let base = 1u64 << octave;
+        // The eighth of the octave the gap falls in.
+        let eighth = ((gap - base) as u128 * 8 / base as u128) as usize;
+        8 * octave + eighth
+    }
+
+    /// A key walked at `clock`.
+    fn walked(&mut self, key: &Key, clock: u64) {
+        let h = key.hash64();
+        if self.sample == 0 || !h.is_multiple_of(self.sample) {
+            return;
+        }
+        let at = (h >> 32) % self.len;
+        let tag = (h >> 8) as u32 | 1;
+        if let Some(&(t, tick)) = self.table.get(&at)
+            && t == tag
+        {
+            *self.gaps.entry(Self::bucket(clock - tick)).or_default() += 1;
+            let mut total: u32 = self.gaps.values().sum();
+            if total == 4096 {
+                for c in self.gaps.values_mut() {
+                    *c /= 2;
+                }
+                total = self.gaps.values().sum();
+            }
+            if total >= self.min_gaps {
+                let within = u64::from(total) * kvtier_core::policy::HORIZON_PERCENTILE / 100;
+                let mut sum = 0u64;
+                let b = self
+                    .gaps
+                    .iter()
+                    .find(|(_, c)| {
+                        sum += u64::from(**c);
+                        sum > within
+                    })
+                    .map(|(b, _)| *b)
+                    .expect("the sum exceeds it");
+                self.past = (b < 384).then(|| {
+                    let (octave, eighth) = (b / 8, (b % 8) as u64);
+                    (1u64 << octave) * (9 + eighth) / 8
+                });
+            }
+        }
+        self.table.insert(at, (tag, clock));
+    }
 }
 
 /// A resident key under the reuse-aware LRU.
@@ -144,6 +217,8 @@ struct ReuseEntry {
     class: ReuseClass,
     due: u64,
     placed: u64,
+    /// The clock when it was placed (U10).
+    last: u64,
 }
 
 /// U5's eviction order: new and reused merged by due time; on a tie the new classes first,
@@ -174,13 +249,6 @@ const ADAPTED: [ReuseClass; 5] = [
     ReuseClass::New(3),
 ];
 
-impl ReuseEntry {
-    /// The key victims are taken in (U5).
-    fn order(&self) -> (u64, ReuseClass, u64) {
-        (self.due, self.class, self.placed)
-    }
-}
-
 /// Places `key` in `class` now (U1, U2, U4): due its class's bonus ticks later.
 fn reuse_place(
     entries: &mut BTreeMap<Key, ReuseEntry>,
@@ -210,6 +278,7 @@ fn reuse_place(
             class,
             due,
             placed: *placed,
+            last: clock,
         },
     );
 }
@@ -240,7 +309,7 @@ fn ghost_hit(key: &Key, b1: &mut Vec<Key>, b2: &mut Vec<Key>, p: &mut f64, cap: 
 }
 
 impl Recency {
-    fn new(kind: PolicyKind, cap: usize) -> Self {
+    fn new(kind: PolicyKind, cap: usize, horizon: Option<kvtier_core::ReturnHorizon>) -> Self {
         match kind {
             PolicyKind::Lru => Recency::Lru {
                 ranks: BTreeMap::new(),
@@ -277,6 +346,12 @@ impl Recency {
                 recent: [Vec::new(), Vec::new()],
                 recent_current: 0,
                 cap,
+                horizon: Gaps {
+                    len: cap.max(64) as u64,
+                    sample: horizon.map_or(0, |h| u64::from(h.sample)),
+                    min_gaps: horizon.map_or(u32::MAX, |h| h.min_gaps),
+                    ..Gaps::default()
+                },
             },
         }
     }
@@ -400,9 +475,11 @@ impl Recency {
                     clock,
                     placed,
                     bonus,
+                    horizon,
                     ..
                 } => {
                     *clock += 1; // U2
+                    horizon.walked(key, *clock); // U10
                     if entries.contains_key(key) {
                         reuse_place(entries, key, ReuseClass::Reused, *clock, bonus, placed);
                     }
@@ -481,9 +558,11 @@ impl Recency {
                     clock,
                     placed,
                     bonus,
+                    horizon,
                     ..
                 } => {
                     *clock += 1; // U4: every walked key ticks
+                    horizon.walked(key, *clock); // U10
                     let Some(e) = entries.get(key) else {
                         continue;
                     };
@@ -548,14 +627,44 @@ impl Recency {
                     }
                 }
             }
-            Recency::Reuse { entries, .. } => {
-                let mut order: Vec<_> = entries
-                    .iter()
-                    .filter(|(k, _)| eligible(k))
-                    .map(|(k, e)| (e.order(), k))
-                    .collect();
-                order.sort();
-                chosen.extend(order.into_iter().take(n).map(|(_, k)| k.clone()));
+            Recency::Reuse {
+                entries,
+                clock,
+                horizon,
+                ..
+            } => {
+                // U5 within each class; U10: each step takes a class's first entry idle past
+                // the horizon, the longest idle first, before the classes' merge by due time.
+                let mut classes: BTreeMap<ReuseClass, Vec<(&Key, &ReuseEntry)>> = BTreeMap::new();
+                for (k, e) in entries {
+                    classes.entry(e.class).or_default().push((k, e));
+                }
+                for list in classes.values_mut() {
+                    list.sort_by_key(|(_, e)| (e.due, e.placed));
+                    list.reverse(); // the first is popped last
+                }
+                let expired = |e: &ReuseEntry| horizon.past.is_some_and(|p| *clock - e.last > p);
+                while chosen.len() < n {
+                    let firsts = classes
+                        .iter()
+                        .filter_map(|(c, list)| list.last().map(|(_, e)| (*c, *e)));
+                    let pick = firsts
+                        .clone()
+                        .filter(|(_, e)| expired(e))
+                        .min_by_key(|(c, e)| (e.last, *c))
+                        .or_else(|| firsts.min_by_key(|(c, e)| (e.due, *c)));
+                    let Some((class, _)) = pick else {
+                        break;
+                    };
+                    let (k, _) = classes
+                        .get_mut(&class)
+                        .expect("a class")
+                        .pop()
+                        .expect("a first");
+                    if eligible(k) {
+                        chosen.push(k.clone());
+                    }
+                }
             }
         }
         chosen
@@ -849,7 +958,7 @@ impl RefModel {
                 max_probes: t.max_outstanding_probes as usize,
                 absent_ttl: u64::from(t.absent_ttl_steps),
                 entries: BTreeMap::new(),
-                recency: Recency::new(t.policy, t.capacity_blocks as usize),
+                recency: Recency::new(t.policy, t.capacity_blocks as usize, config.return_horizon),
                 probing: BTreeMap::new(),
                 absent: Vec::new(),
                 health: Health::Up,
@@ -862,7 +971,11 @@ impl RefModel {
             })
             .collect();
         RefModel {
-            recency: Recency::new(config.policy, config.num_blocks as usize),
+            recency: Recency::new(
+                config.policy,
+                config.num_blocks as usize,
+                config.return_horizon,
+            ),
             blocks: BTreeMap::new(),
             next_fresh: 0,
             free: Vec::new(),

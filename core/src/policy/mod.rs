@@ -17,11 +17,12 @@ use alloc::vec::Vec;
 pub use self::arc::ArcPolicy;
 pub use self::lru::LruPolicy;
 pub use self::reuse::{
-    GHOST_GENERATION_CAPACITIES, MAX_BONUS_TURNOVERS, REUSE_BONUS_TURNOVERS, ReusePolicy,
+    GHOST_GENERATION_CAPACITIES, HORIZON_PERCENTILE, MAX_BONUS_TURNOVERS, REUSE_BONUS_TURNOVERS,
+    ReusePolicy,
 };
 pub(crate) use list::Lists;
 
-use crate::config::PolicyKind;
+use crate::config::{PolicyKind, ReturnHorizon};
 use crate::key::Key;
 
 /// A request's place in a ranked order (rules L1, L4): opened at the request's first access,
@@ -128,10 +129,18 @@ pub enum Policy {
 impl Policy {
     /// A policy of `kind` for a tier of `capacity` entries.
     pub fn new(kind: PolicyKind, capacity: usize) -> Self {
+        Self::with_horizon(kind, capacity, Some(ReturnHorizon::default()))
+    }
+
+    /// As [`Policy::new`], the reuse-aware LRU learning its return horizon (U10) as
+    /// `horizon` says (`None`: never; the others ignore it).
+    pub fn with_horizon(kind: PolicyKind, capacity: usize, horizon: Option<ReturnHorizon>) -> Self {
         match kind {
             PolicyKind::Lru => Policy::Lru(LruPolicy::with_capacity(capacity)),
             PolicyKind::Arc => Policy::Arc(ArcPolicy::new(capacity)),
-            PolicyKind::Reuse => Policy::Reuse(Box::new(ReusePolicy::new(capacity))),
+            PolicyKind::Reuse => {
+                Policy::Reuse(Box::new(ReusePolicy::with_horizon(capacity, horizon)))
+            }
         }
     }
 

@@ -1,4 +1,4 @@
-//! Reuse-aware LRU (rules U1–U9): recency, with a head start for blocks that came back.
+//! Reuse-aware LRU (rules U1–U10): recency, with a head start for blocks that came back.
 //!
 //! Multi-turn traffic sorts blocks into kinds, which LRU treats alike:
 //! - a block seen for the first time: some return (a conversation continues), many do not,
@@ -48,10 +48,25 @@
 //! block, in one aligned pair of cache lines: a lookup asks both, and the policy's cost is
 //! mostly these lookups' cache misses.
 //!
-//! Each class is an intrusive list in due order, so every operation is O(1) but `select`,
-//! which merges the five lists' heads. Metadata: 16 bytes per entry (links and due),
-//! 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, and up to 12 bytes
-//! of recent victims (2 generations × 5 classes × 24 bits × two fifths of a capacity).
+//! A head start pays only while the blocks it keeps may still come back (U10). One key in
+//! 16 (by its hash) is sampled: a direct-mapped table of `capacity` positions remembers a
+//! sampled key's last walk, and each walk that finds it there counts the gap in a histogram
+//! of 8 buckets an octave. The 95th percentile of those gaps is the workload's *return
+//! horizon*, in ticks: how long after its last walk a block is still likely to be read.
+//! An entry idle past it goes before any other, the longest idle first. The horizon is a
+//! property of the traffic (how long people pause), not of the cache, so it binds where
+//! the cache is large: on Mooncake's conversation trace, at 20 % capacity, the bonuses kept
+//! blocks of conversations long over while LRU kept almost every block that came back
+//! (0.970× LRU before U10, 1.003× with it); at 5 % the horizon lies beyond what any bonus
+//! keeps and changes little (docs/performance.md).
+//!
+//! Each class is an intrusive list in due order (and so in the order its entries were
+//! placed), so every operation is O(1) but `select`, which merges the five lists' heads.
+//! Metadata: 16 bytes per entry (links and due), 8 of when it was placed (U10),
+//! 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, up to 12 bytes of recent
+//! victims (2 generations × 5 classes × 24 bits × two fifths of a capacity), and 12 bytes of
+//! sampled walks (a 4-byte tag and an 8-byte tick per block of capacity, allocated at the
+//! first sampled key).
 
 use alloc::format;
 use alloc::string::String;
@@ -59,6 +74,7 @@ use alloc::vec::Vec;
 use core::fmt::Write;
 
 use super::{EvictionPolicy, Lists, Run, Use};
+use crate::config::ReturnHorizon;
 use crate::key::Key;
 
 /// Blocks reused, or back after an eviction.
@@ -86,6 +102,16 @@ pub const REUSE_BONUS_TURNOVERS: u64 = 2;
 pub const GHOST_GENERATION_CAPACITIES: usize = 4;
 /// No class's bonus exceeds this many turnovers (U9).
 pub const MAX_BONUS_TURNOVERS: u64 = 8;
+/// U10: the percentile of the sampled return gaps that sets the horizon.
+pub const HORIZON_PERCENTILE: u64 = 95;
+/// U10: the gap counts are halved when they reach this many, so that the horizon follows
+/// the workload.
+const HORIZON_HALVE_AT: u32 = 4096;
+/// U10: the gap histogram's last bucket, of gaps of `2^48` ticks or more (8 buckets an
+/// octave below it).
+const GAP_OVERFLOW: usize = 48 * 8;
+/// U10: the fewest entries of the table of sampled keys' last walks.
+const MIN_GAP_TABLE: usize = 64;
 
 /// The new class of a block a request of `length` keys stored (U4).
 fn new_class(length: usize) -> usize {
@@ -97,8 +123,8 @@ fn new_class(length: usize) -> usize {
 pub struct ReusePolicy {
     /// One list per class, each in due order.
     lists: Lists<CLASSES>,
-    /// The due time of every id in `lists`.
-    due: Vec<u64>,
+    /// The due time of every id in `lists`, and when it was placed (U10), side by side.
+    times: Vec<Times>,
     clock: u64,
     /// How long each class's blocks outlive the clock, in ticks. Reused:
     /// `REUSE_BONUS_TURNOVERS × capacity` at first, new: 0; then adapted (U9) within
@@ -116,6 +142,131 @@ pub struct ReusePolicy {
     ghost: Ghost,
     /// The last victims and their classes, for U9.
     recent: Recent,
+    /// The workload's return horizon (U10).
+    horizon: Horizon,
+}
+
+/// An entry's due time (U4, U9) and the clock when it was placed (U10): read together when
+/// victims are chosen, so kept in one place.
+#[derive(Clone, Copy, Debug, Default)]
+struct Times {
+    due: u64,
+    last: u64,
+}
+
+/// U10: the workload's return horizon, learned from a sample of the keys walked: how long
+/// after its last walk a key is still likely to come back. A bonus keeps a block past it
+/// for nothing (the blocks that come back have come back), so an entry idle for longer goes
+/// before any other.
+#[derive(Clone, Debug)]
+struct Horizon {
+    /// Direct-mapped by a sampled key's hash: its tag (0: none) and the clock at its last
+    /// walk; empty until the first sampled key.
+    tags: Vec<u32>,
+    ticks: Vec<u64>,
+    /// Entries of the table: the capacity, at least [`MIN_GAP_TABLE`].
+    len: usize,
+    /// One key in this many is sampled (0: none, U10 off); gaps needed before there is a
+    /// horizon.
+    sample: u64,
+    min_gaps: u32,
+    /// Sampled return gaps, 8 buckets an octave ([`gap_bucket`]).
+    counts: Vec<u32>,
+    /// Their sum.
+    total: u32,
+    /// Idle ticks past which an entry is expired (`u64::MAX`: none yet, or beyond the
+    /// histogram).
+    ticks_past: u64,
+}
+
+/// U10: the histogram bucket of a gap of `gap ≥ 1` ticks: `8·⌊log2 gap⌋` plus the three bits
+/// after the leading one, at most [`GAP_OVERFLOW`].
+fn gap_bucket(gap: u64) -> usize {
+    let l = 63 - gap.max(1).leading_zeros() as usize;
+    let frac = if l >= 3 {
+        (gap >> (l - 3)) & 7
+    } else {
+        (gap << (3 - l)) & 7
+    };
+    (8 * l + frac as usize).min(GAP_OVERFLOW)
+}
+
+/// U10: the upper end of bucket `b < GAP_OVERFLOW`, `⌊2^l · (9 + f) / 8⌋` with `l = b / 8` and
+/// `f = b % 8`: the horizon a percentile in it gives.
+fn bucket_end(b: usize) -> u64 {
+    let (l, f) = (b / 8, (b % 8) as u64);
+    ((1u64 << l) * (9 + f)) / 8
+}
+
+impl Horizon {
+    fn new(capacity: usize, config: Option<ReturnHorizon>) -> Self {
+        Horizon {
+            tags: Vec::new(),
+            ticks: Vec::new(),
+            len: capacity.max(MIN_GAP_TABLE),
+            sample: config.map_or(0, |c| u64::from(c.sample.max(1))),
+            min_gaps: config.map_or(u32::MAX, |c| c.min_gaps.max(1)),
+            counts: Vec::new(),
+            total: 0,
+            ticks_past: u64::MAX,
+        }
+    }
+
+    /// U10: `key` walked at `clock`: if it is sampled and the table holds its last walk,
+    /// the gap is counted; then the table holds this walk.
+    fn walked(&mut self, key: &Key, clock: u64) {
+        let h = key.hash64();
+        if self.sample == 0 || !h.is_multiple_of(self.sample) {
+            return;
+        }
+        if self.tags.is_empty() {
+            self.tags.resize(self.len, 0);
+            self.ticks.resize(self.len, 0);
+            self.counts.resize(GAP_OVERFLOW + 1, 0);
+        }
+        let i = ((h >> 32) % self.len as u64) as usize;
+        let tag = (h >> 8) as u32 | 1;
+        if self.tags[i] == tag {
+            self.count(clock - self.ticks[i]);
+        }
+        self.tags[i] = tag;
+        self.ticks[i] = clock;
+    }
+
+    /// U10: one gap counted; the counts halved at [`HORIZON_HALVE_AT`]; the horizon is the
+    /// upper end of the bucket of the [`HORIZON_PERCENTILE`]th percentile once `min_gaps`
+    /// are counted (none while it is the last bucket).
+    fn count(&mut self, gap: u64) {
+        if self.counts.is_empty() {
+            self.counts.resize(GAP_OVERFLOW + 1, 0);
+        }
+        self.counts[gap_bucket(gap)] += 1;
+        self.total += 1;
+        if self.total == HORIZON_HALVE_AT {
+            for c in &mut self.counts {
+                *c /= 2;
+            }
+            self.total = self.counts.iter().sum();
+        }
+        if self.total < self.min_gaps {
+            return;
+        }
+        let below = u64::from(self.total) * HORIZON_PERCENTILE / 100;
+        let mut seen = 0;
+        let b = self
+            .counts
+            .iter()
+            .position(|&c| {
+                seen += u64::from(c);
+                seen > below
+            })
+            .unwrap_or(GAP_OVERFLOW);
+        self.ticks_past = if b >= GAP_OVERFLOW {
+            u64::MAX
+        } else {
+            bucket_end(b)
+        };
+    }
 }
 
 /// Bits of a filter block (one cache line).
@@ -363,13 +514,19 @@ impl Ghost {
 }
 
 impl ReusePolicy {
-    /// An empty policy for a tier of `capacity` entries.
+    /// An empty policy for a tier of `capacity` entries, with the default return horizon.
     pub fn new(capacity: usize) -> Self {
+        Self::with_horizon(capacity, Some(ReturnHorizon::default()))
+    }
+
+    /// An empty policy for a tier of `capacity` entries that learns its return horizon
+    /// (U10) as `horizon` says (`None`: never).
+    pub fn with_horizon(capacity: usize, horizon: Option<ReturnHorizon>) -> Self {
         let mut bonus = [0; CLASSES];
         bonus[REUSED] = REUSE_BONUS_TURNOVERS * capacity as u64;
         ReusePolicy {
             lists: Lists::with_capacity(capacity),
-            due: Vec::new(),
+            times: Vec::new(),
             clock: 0,
             bonus,
             fifths: 0,
@@ -378,6 +535,7 @@ impl ReusePolicy {
             walked_reused: false,
             ghost: Ghost::new(GHOST_GENERATION_CAPACITIES * capacity),
             recent: Recent::new(capacity),
+            horizon: Horizon::new(capacity, horizon),
         }
     }
 
@@ -410,16 +568,21 @@ impl ReusePolicy {
     /// Places `id` at the end of `class` with due time `due`.
     fn place(&mut self, id: u32, class: usize, due: u64) {
         let i = id as usize;
-        if i >= self.due.len() {
-            self.due.resize(i + 1, 0);
+        if i >= self.times.len() {
+            self.times.resize(i + 1, Times::default());
         }
-        self.due[i] = due;
+        self.times[i] = Times {
+            due,
+            last: self.clock,
+        };
         self.lists.move_to_back(class, id);
     }
 
     /// The due time of the last entry of `class`, 0 if none.
     fn latest(&self, class: usize) -> u64 {
-        self.lists.back(class).map_or(0, |b| self.due[b as usize])
+        self.lists
+            .back(class)
+            .map_or(0, |b| self.times[b as usize].due)
     }
 
     /// U2/U4: a reused block, walked now: due the reused bonus ahead, and never before the
@@ -449,14 +612,19 @@ impl ReusePolicy {
             let class = CLASS_NAMES[self.lists.list_of(id).expect("resident")];
             // Due before the clock: below anything placed later (0); at or after it: placed
             // later entries compare to it (1 + the difference).
-            let due = self.due[id as usize];
+            let due = self.times[id as usize].due;
             let rel = if due < self.clock {
                 0
             } else {
                 1 + due - self.clock
             };
             name(out, id);
-            let _ = write!(out, "/{class}{rel},");
+            let _ = write!(out, "/{class}{rel}");
+            // U10: how long it has been idle (never compared while U10 is off).
+            if self.horizon.sample != 0 {
+                let _ = write!(out, "@{}", self.clock - self.times[id as usize].last);
+            }
+            out.push(',');
         }
         // The ghost: which generation is current, how many keys it took, and each
         // generation's set bits (few in a model's small states).
@@ -478,6 +646,16 @@ impl ReusePolicy {
                 let _ = write!(out, ";{count}:");
                 write_filter(out, filter.generation(g));
             }
+        }
+        // U10: the horizon, the gap counts, and the table's sampled walks (ages).
+        let h = &self.horizon;
+        let _ = write!(out, "|horizon{}/{}", h.ticks_past, h.total);
+        for (b, c) in h.counts.iter().enumerate().filter(|(_, c)| **c != 0) {
+            let _ = write!(out, ";{b}:{c}");
+        }
+        out.push('|');
+        for (i, tag) in h.tags.iter().enumerate().filter(|(_, t)| **t != 0) {
+            let _ = write!(out, "{i}:{tag:x}@{},", self.clock - h.ticks[i]);
         }
         out.push(']');
     }
@@ -516,8 +694,9 @@ impl EvictionPolicy for ReusePolicy {
         self.walked_reused = false;
     }
 
-    fn finish(&mut self, _key: &Key, resident: Option<u32>, used: Use) {
+    fn finish(&mut self, key: &Key, resident: Option<u32>, used: Use) {
         self.clock += 1; // U4: every walked key ticks
+        self.horizon.walked(key, self.clock); // U10
         let Some(id) = resident else {
             return;
         };
@@ -535,8 +714,9 @@ impl EvictionPolicy for ReusePolicy {
         }
     }
 
-    fn touch(&mut self, _key: &Key, resident: Option<(u32, bool)>) {
+    fn touch(&mut self, key: &Key, resident: Option<(u32, bool)>) {
         self.clock += 1; // U2
+        self.horizon.walked(key, self.clock); // U10
         if let Some((id, _)) = resident {
             self.reuse(id);
         }
@@ -554,14 +734,31 @@ impl EvictionPolicy for ReusePolicy {
             return;
         }
         let mut heads: [Option<u32>; CLASSES] = core::array::from_fn(|c| self.lists.front(c));
+        // U10: a head idle past the horizon goes first (placed before `expired_before`).
+        let mut expired_before = self.clock.saturating_sub(self.horizon.ticks_past);
+        if crate::mutant::active("no_return_horizon") {
+            expired_before = 0;
+        }
         loop {
             let mut best: Option<(u64, usize)> = None;
             // On a tie the first class tried wins: the new ones in order, then reused.
-            for class in (NEW..CLASSES).chain([REUSED]) {
-                if let Some(id) = heads[class] {
-                    let due = self.due[id as usize];
-                    if best.is_none_or(|(d, _)| due < d) {
-                        best = Some((due, class));
+            if expired_before > 0 {
+                for class in (NEW..CLASSES).chain([REUSED]) {
+                    if let Some(id) = heads[class] {
+                        let last = self.times[id as usize].last;
+                        if last < expired_before && best.is_none_or(|(l, _)| last < l) {
+                            best = Some((last, class));
+                        }
+                    }
+                }
+            }
+            if best.is_none() {
+                for class in (NEW..CLASSES).chain([REUSED]) {
+                    if let Some(id) = heads[class] {
+                        let due = self.times[id as usize].due;
+                        if best.is_none_or(|(d, _)| due < d) {
+                            best = Some((due, class));
+                        }
                     }
                 }
             }
@@ -601,12 +798,15 @@ impl EvictionPolicy for ReusePolicy {
         for class in 0..CLASSES {
             let mut last = 0;
             for id in self.lists.iter(class) {
-                let due = self.due[id as usize];
+                let due = self.times[id as usize].due;
                 if due < last {
                     return Err(format!("class {class}: id {id} due before its predecessor"));
                 }
                 if due > self.clock + max {
                     return Err(format!("id {id} due after the clock's reach"));
+                }
+                if self.times[id as usize].last > self.clock {
+                    return Err(format!("id {id} placed after the clock"));
                 }
                 last = due;
             }
@@ -649,6 +849,19 @@ impl EvictionPolicy for ReusePolicy {
             return Err(format!(
                 "bonuses {:?} and {} fifths (reused at most {max}, new at most reused); recent generation {}, counts {:?} of {}, bits fit: {bits_ok}",
                 self.bonus, self.fifths, r.current, r.counts, r.limit
+            ));
+        }
+        let h = &self.horizon;
+        if h.counts.iter().sum::<u32>() != h.total
+            || h.total >= HORIZON_HALVE_AT
+            || h.ticks.iter().any(|&t| t > self.clock)
+            || (h.total < h.min_gaps && h.ticks_past != u64::MAX)
+        {
+            return Err(format!(
+                "horizon: {} gaps counted, {} in the buckets, horizon {}",
+                h.total,
+                h.counts.iter().sum::<u32>(),
+                h.ticks_past
             ));
         }
         let set = filter_bits_set(g.gens.generation(g.current));
@@ -790,7 +1003,11 @@ mod tests {
             }
             // Placed by the finish, tail first (inserted with due 0, the longest requests'
             // class alike: without the finish, 64 keys or more would pass unplaced).
-            assert_eq!((p.due[1], p.due[0]), (1, 2), "a request of {keys} keys");
+            assert_eq!(
+                (p.times[1].due, p.times[0].due),
+                (1, 2),
+                "a request of {keys} keys"
+            );
             p.check().unwrap();
         }
     }
@@ -886,7 +1103,7 @@ mod tests {
         );
         let classes = |p: &ReusePolicy| [0, 1, 2].map(|i| p.lists.list_of(i).expect("held"));
         assert_eq!(classes(&p), [REUSED, REUSED, NEW]);
-        assert!(p.due[0] >= p.due[1]);
+        assert!(p.times[0].due >= p.times[1].due);
         assert_eq!(order(&p), [2, 1, 0]);
         let mut p = ReusePolicy::new(4);
         p.insert(2, &k(2));
@@ -914,13 +1131,13 @@ mod tests {
             &[(0, Use::Reused), (1, Use::Reused), (2, Use::Inserted)],
         );
         // 0 is the latest reused entry (walked last), 1 the one before it.
-        let latest = p.due[0];
+        let latest = p.times[0].due;
         assert_eq!(p.lists.back(REUSED), Some(0));
         p.bonus[REUSED] = 0;
         finish(&mut p, &[(1, Use::Reused)]);
         assert!(p.clock < latest);
         assert_eq!(
-            p.due[1], latest,
+            p.times[1].due, latest,
             "at the latest reused entry, not at the clock"
         );
         assert_eq!(order(&p), [2, 0, 1]);
@@ -936,18 +1153,18 @@ mod tests {
         p.insert(0, &k(0)); // due 0 + 10
         p.bonus[NEW_UNFINISHED] = 0;
         p.insert(1, &k(1)); // due 10, not 0: the class's latest
-        assert_eq!((p.due[0], p.due[1]), (10, 10));
+        assert_eq!((p.times[0].due, p.times[1].due), (10, 10));
         p.bonus[REUSED] = 0;
         p.insert(2, &k(2));
         p.touch(&k(2), Some((2, true))); // clock 1: due 10, the latest new, not 1
-        assert_eq!(p.due[2], 10);
+        assert_eq!(p.times[2].due, 10);
         p.bonus[REUSED] = 7;
         p.bonus[NEW] = 7;
         p.insert(3, &k(3));
         p.begin_finish(2);
         p.finish(&k(9), None, Use::Inserted); // the last key, not resident: clock 2
         p.finish(&k(3), Some(3), Use::Inserted); // clock 3: requests of 1–3, due 3 + 7
-        assert_eq!((p.lists.list_of(3), p.due[3]), (Some(NEW), 10));
+        assert_eq!((p.lists.list_of(3), p.times[3].due), (Some(NEW), 10));
         p.check().unwrap();
         assert_eq!(
             order(&p),
@@ -1002,7 +1219,116 @@ mod tests {
         let mut p = ReusePolicy::new(4);
         p.insert(0, &k(0));
         p.insert(1, &k(1));
-        p.due[0] = 3;
+        p.times[0].due = 3;
         assert!(p.check().is_err());
+    }
+
+    /// U10: 8 buckets an octave, each gap below its bucket's upper end, the ends rising.
+    #[test]
+    fn u10_gap_buckets_and_their_ends() {
+        for (gap, bucket) in [
+            (1, 0),
+            (2, 8),
+            (3, 12),
+            (8, 24),
+            (9, 25),
+            (15, 31),
+            (16, 32),
+        ] {
+            assert_eq!(gap_bucket(gap), bucket, "gap {gap}");
+        }
+        assert_eq!(gap_bucket(1000), 8 * 9 + 7); // 512 + 7 · 64 ≤ 1000 < 1024
+        assert_eq!(gap_bucket(u64::MAX), GAP_OVERFLOW);
+        let mut end = 0;
+        for gap in 1..5000u64 {
+            let b = gap_bucket(gap);
+            assert!(bucket_end(b) >= gap, "gap {gap} past its bucket's end");
+            assert!(bucket_end(b) >= end, "ends fall at {gap}");
+            end = bucket_end(b);
+        }
+    }
+
+    /// U10: a sampled key's gaps are counted once the table holds its last walk; the
+    /// horizon is the 95th percentile's bucket end, none before `min_gaps`; counts are halved
+    /// at 4,096.
+    #[test]
+    fn u10_the_horizon_is_a_percentile_of_the_sampled_gaps() {
+        let mut h = Horizon::new(
+            4,
+            Some(ReturnHorizon {
+                sample: 1,
+                min_gaps: 20,
+            }),
+        );
+        let mut clock = 0;
+        let mut walk = |h: &mut Horizon, key: u8, gap: u64| {
+            clock += gap;
+            h.walked(&k(key), clock);
+        };
+        walk(&mut h, 0, 1); // the first walk: no gap yet
+        assert_eq!(h.total, 0);
+        for _ in 0..19 {
+            walk(&mut h, 0, 10); // nineteen gaps of 10
+        }
+        assert_eq!((h.total, h.ticks_past), (19, u64::MAX), "below min_gaps");
+        walk(&mut h, 0, 1000); // the twentieth: 95 % of 20 = 19 below it
+        assert_eq!(h.total, 20);
+        assert_eq!(h.ticks_past, bucket_end(gap_bucket(1000)));
+        walk(&mut h, 0, 10); // now 20 of 21 are 10s: the percentile is 10's bucket
+        assert_eq!(h.ticks_past, bucket_end(gap_bucket(10)));
+        for _ in 0..(HORIZON_HALVE_AT - 22) {
+            walk(&mut h, 0, 10);
+        }
+        assert_eq!(h.total, HORIZON_HALVE_AT - 1);
+        walk(&mut h, 0, 10);
+        let tens = (HORIZON_HALVE_AT - 1) / 2; // 4,095 tens halved; the one 1000 is gone
+        assert_eq!((h.total, h.counts[gap_bucket(10)]), (tens, tens));
+        assert_eq!(h.counts[gap_bucket(1000)], 0);
+        // Only sampled keys count: with one in 16, keys whose hash is not a multiple of 16
+        // never reach the table.
+        let mut h = Horizon::new(4, Some(ReturnHorizon::default()));
+        let unsampled = (0..=255u8)
+            .find(|&i| !k(i).hash64().is_multiple_of(16))
+            .expect("a key");
+        h.walked(&k(unsampled), 1);
+        h.walked(&k(unsampled), 2);
+        assert_eq!((h.total, h.tags.len()), (0, 0));
+    }
+
+    /// U10, U5: an entry idle past the horizon goes before every other, the longest idle
+    /// first, whatever its due time; until there is a horizon, due order alone. (The horizon
+    /// is set here; the test above learns one.)
+    #[test]
+    fn u10_an_entry_idle_past_the_horizon_goes_first() {
+        // No key is sampled (one in 2^32): the gaps are counted by hand.
+        let never = ReturnHorizon {
+            sample: u32::MAX,
+            min_gaps: 1,
+        };
+        let mut p = ReusePolicy::with_horizon(4, Some(never));
+        p.insert(0, &k(0));
+        p.insert(1, &k(1));
+        p.touch(&k(0), Some((0, true))); // clock 1: 0 reused, due 1 + 8
+        finish(&mut p, &[(1, Use::Inserted)]); // clock 2: 1 new, due 2
+        assert_eq!(order(&p), [1, 0], "no horizon: due order");
+        p.horizon.count(2);
+        assert_eq!(p.horizon.ticks_past, 2);
+        p.clock = 5;
+        // Entry 0 has been idle 4 ticks and 1 idle 3: both past the horizon, 0 longest.
+        assert_eq!(order(&p), [0, 1]);
+        finish(&mut p, &[(1, Use::Inserted)]); // clock 6: 1 fresh, due 6
+        assert_eq!(order(&p), [0, 1], "0 expired, due after 1");
+        p.touch(&k(0), Some((0, true))); // clock 7: 0 fresh, due 7 + 8
+        assert_eq!(order(&p), [1, 0], "nothing past the horizon: due order");
+        p.clock = 9; // 1 idle 3 (past), 0 idle 2
+        assert_eq!(order(&p), [1, 0]);
+        p.clock = 11; // 1 idle 5, 0 idle 4: both past, 1 longest
+        assert_eq!(order(&p), [1, 0]);
+        p.horizon.count(4); // gaps 2 and 4: a horizon of 4, which 0 (idle 4) is not past
+        assert_eq!(p.horizon.ticks_past, 4);
+        let mut out = Vec::new();
+        p.select(1, &mut |id| id != 1, &mut out);
+        assert_eq!(out, [0], "an ineligible expired entry is passed over");
+        p.check().unwrap();
     }
 }
