@@ -121,14 +121,18 @@ pub struct ReuseFilter {
     pub max_tracker_size: u32,
 }
 
+/// The most gaps [`ReturnHorizon::min_gaps`] may ask for: the counts are halved when they
+/// reach 4,096, which leaves more than 1,024, so a horizon once formed stays.
+pub const MAX_HORIZON_MIN_GAPS: u32 = 1024;
+
 /// How the reuse-aware LRU learns its return horizon (U10). The defaults suit real caches;
 /// the differential checks sample every key and need one gap or three, so that their small
 /// states reach it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReturnHorizon {
-    /// One key in this many, by its hash, is sampled (at least 1).
+    /// One key in this many, by its hash, is sampled (a power of two).
     pub sample: u32,
-    /// Sampled return gaps counted before there is a horizon (at least 1).
+    /// Sampled return gaps counted before there is a horizon (1 ..= 1,024).
     pub min_gaps: u32,
 }
 
@@ -199,11 +203,18 @@ impl Config {
             return bad("num_blocks", "must be at most 536870910");
         }
         if let Some(h) = self.return_horizon {
-            if h.sample == 0 {
-                return bad("return_horizon.sample", "must be at least 1");
+            if !h.sample.is_power_of_two() {
+                return bad(
+                    "return_horizon.sample",
+                    "must be a power of two (1, 2, 4, …)",
+                );
             }
-            if h.min_gaps == 0 {
-                return bad("return_horizon.min_gaps", "must be at least 1");
+            if h.min_gaps == 0 || h.min_gaps > MAX_HORIZON_MIN_GAPS {
+                return bad(
+                    "return_horizon.min_gaps",
+                    "must be 1 ..= 1024 (the gap counts are halved at 4,096, and a horizon \
+                     stays once formed)",
+                );
             }
         }
         if self.tiers.len() > MAX_TIERS {

@@ -76,8 +76,8 @@ mod table;
 mod tier;
 
 pub use config::{
-    Admission, Config, ConfigError, HealthConfig, MAX_BLOCKS, MAX_TIERS, PolicyKind, ReturnHorizon,
-    ReuseFilter, TierConfig, TierKind,
+    Admission, Config, ConfigError, HealthConfig, MAX_BLOCKS, MAX_HORIZON_MIN_GAPS, MAX_TIERS,
+    PolicyKind, ReturnHorizon, ReuseFilter, TierConfig, TierKind,
 };
 pub use error::{Error, Violation};
 pub use event::{

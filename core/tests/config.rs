@@ -1,6 +1,9 @@
 //! Rule ★7 for configuration: an invalid value is a typed error naming the field.
 
-use kvtier_core::{Config, ConfigError, Manager, PolicyKind, ReuseFilter, TierConfig, TierKind};
+use kvtier_core::{
+    Config, ConfigError, MAX_HORIZON_MIN_GAPS, Manager, PolicyKind, ReturnHorizon, ReuseFilter,
+    TierConfig, TierKind,
+};
 
 /// A way to break one field of a valid config.
 type Breaker = Box<dyn Fn(&mut Config)>;
@@ -64,6 +67,33 @@ fn invalid_fields_are_named() {
                 c.reuse = Some(ReuseFilter {
                     store_threshold: 1,
                     max_tracker_size: 8,
+                })
+            }),
+        ),
+        (
+            "return_horizon.sample",
+            Box::new(|c| {
+                c.return_horizon = Some(ReturnHorizon {
+                    sample: 12,
+                    min_gaps: 128,
+                })
+            }),
+        ),
+        (
+            "return_horizon.min_gaps",
+            Box::new(|c| {
+                c.return_horizon = Some(ReturnHorizon {
+                    sample: 16,
+                    min_gaps: 0,
+                })
+            }),
+        ),
+        (
+            "return_horizon.min_gaps",
+            Box::new(|c| {
+                c.return_horizon = Some(ReturnHorizon {
+                    sample: 16,
+                    min_gaps: MAX_HORIZON_MIN_GAPS + 1,
                 })
             }),
         ),

@@ -300,11 +300,11 @@ impl ConfigChoice {
         };
         let mut c = Config::new(1 + u32::from(self.primary % 4));
         c.policy = policy(self.primary >> 2);
-        // U10 in states this small: every key sampled, a horizon after one gap or three
-        // (bit 7).
-        c.return_horizon = Some(ReturnHorizon {
+        // U10 off (bit 7 clear: U1–U9's due order alone), or on as states this small reach
+        // it: every key sampled, a horizon after one gap or three (`misc`'s bit 7).
+        c.return_horizon = (self.primary >> 7 == 1).then(|| ReturnHorizon {
             sample: 1,
-            min_gaps: 1 + 2 * u32::from(self.primary >> 7),
+            min_gaps: 1 + 2 * u32::from(self.misc >> 7),
         });
         c.wait_deadline = match (self.primary >> 4) & 3 {
             0 => None,

@@ -190,7 +190,8 @@ impl Gaps {
                 total = self.gaps.values().sum();
             }
             if total >= self.min_gaps {
-                let within = u64::from(total) * kvtier_core::policy::HORIZON_PERCENTILE / 100;
+                // The 95th percentile (U10).
+                let within = u64::from(total) * 95 / 100;
                 let mut sum = 0u64;
                 let b = self
                     .gaps

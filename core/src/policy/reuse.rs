@@ -64,9 +64,9 @@
 //! placed), so every operation is O(1) but `select`, which merges the five lists' heads.
 //! Metadata: 16 bytes per entry (links and due), 8 of when it was placed (U10),
 //! 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, up to 12 bytes of recent
-//! victims (2 generations × 5 classes × 24 bits × two fifths of a capacity), and 12 bytes of
-//! sampled walks (a 4-byte tag and an 8-byte tick per block of capacity, allocated at the
-//! first sampled key).
+//! victims (2 generations × 5 classes × 24 bits × two fifths of a capacity), and 16 bytes of
+//! sampled walks (a tag and a tick per block of capacity, allocated at the first sampled
+//! key).
 
 use alloc::format;
 use alloc::string::String;
@@ -162,13 +162,12 @@ struct Times {
 struct Horizon {
     /// Direct-mapped by a sampled key's hash: its tag (0: none) and the clock at its last
     /// walk; empty until the first sampled key.
-    tags: Vec<u32>,
-    ticks: Vec<u64>,
+    walks: Vec<Walk>,
     /// Entries of the table: the capacity, at least [`MIN_GAP_TABLE`].
     len: usize,
-    /// One key in this many is sampled (0: none, U10 off); gaps needed before there is a
-    /// horizon.
-    sample: u64,
+    /// A key is sampled when its hash has no bit of this mask set (one in `sample`, a power
+    /// of two; `None`: U10 off); gaps needed before there is a horizon.
+    sample: Option<u64>,
     min_gaps: u32,
     /// Sampled return gaps, 8 buckets an octave ([`gap_bucket`]).
     counts: Vec<u32>,
@@ -177,6 +176,14 @@ struct Horizon {
     /// Idle ticks past which an entry is expired (`u64::MAX`: none yet, or beyond the
     /// histogram).
     ticks_past: u64,
+}
+
+/// U10: a sampled key's last walk in the table: its tag (0: none) and the clock then, in one
+/// place (one cache line touched).
+#[derive(Clone, Copy, Debug, Default)]
+struct Walk {
+    tag: u32,
+    tick: u64,
 }
 
 /// U10: the histogram bucket of a gap of `gap ≥ 1` ticks: `8·⌊log2 gap⌋` plus the three bits
@@ -201,10 +208,9 @@ fn bucket_end(b: usize) -> u64 {
 impl Horizon {
     fn new(capacity: usize, config: Option<ReturnHorizon>) -> Self {
         Horizon {
-            tags: Vec::new(),
-            ticks: Vec::new(),
+            walks: Vec::new(),
             len: capacity.max(MIN_GAP_TABLE),
-            sample: config.map_or(0, |c| u64::from(c.sample.max(1))),
+            sample: config.map(|c| u64::from(c.sample.max(1)) - 1),
             min_gaps: config.map_or(u32::MAX, |c| c.min_gaps.max(1)),
             counts: Vec::new(),
             total: 0,
@@ -216,21 +222,21 @@ impl Horizon {
     /// the gap is counted; then the table holds this walk.
     fn walked(&mut self, key: &Key, clock: u64) {
         let h = key.hash64();
-        if self.sample == 0 || !h.is_multiple_of(self.sample) {
+        // A power of two: a mask, not a division, on every walked key.
+        if self.sample.is_none_or(|mask| h & mask != 0) {
             return;
         }
-        if self.tags.is_empty() {
-            self.tags.resize(self.len, 0);
-            self.ticks.resize(self.len, 0);
+        if self.walks.is_empty() {
+            self.walks.resize(self.len, Walk::default());
             self.counts.resize(GAP_OVERFLOW + 1, 0);
         }
         let i = ((h >> 32) % self.len as u64) as usize;
         let tag = (h >> 8) as u32 | 1;
-        if self.tags[i] == tag {
-            self.count(clock - self.ticks[i]);
+        let walk = &mut self.walks[i];
+        let before = core::mem::replace(walk, Walk { tag, tick: clock });
+        if before.tag == tag {
+            self.count(clock - before.tick);
         }
-        self.tags[i] = tag;
-        self.ticks[i] = clock;
     }
 
     /// U10: one gap counted; the counts halved at [`HORIZON_HALVE_AT`]; the horizon is the
@@ -526,7 +532,8 @@ impl ReusePolicy {
         bonus[REUSED] = REUSE_BONUS_TURNOVERS * capacity as u64;
         ReusePolicy {
             lists: Lists::with_capacity(capacity),
-            times: Vec::new(),
+            // Ids are below the capacity: reserved once, not grown by doubling.
+            times: Vec::with_capacity(capacity),
             clock: 0,
             bonus,
             fifths: 0,
@@ -601,9 +608,11 @@ impl ReusePolicy {
     }
 
     /// See `Policy::write_canonical`: the lists in eviction order, each entry with its due
-    /// time relative to the clock (times before the clock are all alike to anything placed
-    /// later, so they are written as 0: the order keeps their difference), then the ghost's
-    /// generations.
+    /// time relative to the clock (with U10 off, times before the clock are all alike to
+    /// anything placed later, so they are written as 0: the order keeps their difference;
+    /// with U10 on, an entry past the horizon may come back within it when the horizon grows,
+    /// and is then merged by its due time again, so the difference is written), then the
+    /// ghost's generations.
     pub(crate) fn write_canonical(&self, out: &mut String, name: &dyn Fn(&mut String, u32)) {
         out.push_str("reuse[");
         let mut victims = Vec::new();
@@ -613,15 +622,17 @@ impl ReusePolicy {
             // Due before the clock: below anything placed later (0); at or after it: placed
             // later entries compare to it (1 + the difference).
             let due = self.times[id as usize].due;
-            let rel = if due < self.clock {
-                0
+            let rel = if due >= self.clock {
+                (1 + due - self.clock) as i128
+            } else if self.horizon.sample.is_some() {
+                due as i128 - self.clock as i128
             } else {
-                1 + due - self.clock
+                0
             };
             name(out, id);
             let _ = write!(out, "/{class}{rel}");
             // U10: how long it has been idle (never compared while U10 is off).
-            if self.horizon.sample != 0 {
+            if self.horizon.sample.is_some() {
                 let _ = write!(out, "@{}", self.clock - self.times[id as usize].last);
             }
             out.push(',');
@@ -654,8 +665,8 @@ impl ReusePolicy {
             let _ = write!(out, ";{b}:{c}");
         }
         out.push('|');
-        for (i, tag) in h.tags.iter().enumerate().filter(|(_, t)| **t != 0) {
-            let _ = write!(out, "{i}:{tag:x}@{},", self.clock - h.ticks[i]);
+        for (i, w) in h.walks.iter().enumerate().filter(|(_, w)| w.tag != 0) {
+            let _ = write!(out, "{i}:{:x}@{},", w.tag, self.clock - w.tick);
         }
         out.push(']');
     }
@@ -797,6 +808,7 @@ impl EvictionPolicy for ReusePolicy {
         let max = MAX_BONUS_TURNOVERS * self.capacity;
         for class in 0..CLASSES {
             let mut last = 0;
+            let mut last_placed = 0;
             for id in self.lists.iter(class) {
                 let due = self.times[id as usize].due;
                 if due < last {
@@ -805,9 +817,14 @@ impl EvictionPolicy for ReusePolicy {
                 if due > self.clock + max {
                     return Err(format!("id {id} due after the clock's reach"));
                 }
-                if self.times[id as usize].last > self.clock {
-                    return Err(format!("id {id} placed after the clock"));
+                let placed = self.times[id as usize].last;
+                if placed > self.clock || placed < last_placed {
+                    return Err(format!(
+                        "class {class}: id {id} placed at {placed}, before its predecessor \
+                         ({last_placed}) or after the clock"
+                    ));
                 }
+                last_placed = placed;
                 last = due;
             }
         }
@@ -854,7 +871,7 @@ impl EvictionPolicy for ReusePolicy {
         let h = &self.horizon;
         if h.counts.iter().sum::<u32>() != h.total
             || h.total >= HORIZON_HALVE_AT
-            || h.ticks.iter().any(|&t| t > self.clock)
+            || h.walks.iter().any(|w| w.tick > self.clock)
             || (h.total < h.min_gaps && h.ticks_past != u64::MAX)
         {
             return Err(format!(
@@ -1292,7 +1309,7 @@ mod tests {
             .expect("a key");
         h.walked(&k(unsampled), 1);
         h.walked(&k(unsampled), 2);
-        assert_eq!((h.total, h.tags.len()), (0, 0));
+        assert_eq!((h.total, h.walks.len()), (0, 0));
     }
 
     /// U10, U5: an entry idle past the horizon goes before every other, the longest idle
@@ -1300,9 +1317,9 @@ mod tests {
     /// is set here; the test above learns one.)
     #[test]
     fn u10_an_entry_idle_past_the_horizon_goes_first() {
-        // No key is sampled (one in 2^32): the gaps are counted by hand.
+        // Practically no key is sampled (one in 2^31): the gaps are counted by hand.
         let never = ReturnHorizon {
-            sample: u32::MAX,
+            sample: 1 << 31,
             min_gaps: 1,
         };
         let mut p = ReusePolicy::with_horizon(4, Some(never));
