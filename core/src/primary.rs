@@ -318,7 +318,8 @@ impl Primary {
     }
 
     /// As [`Primary::new`], a reuse-aware LRU learning its return horizon (U10) as `horizon`
-    /// says (`None`: never).
+    /// says (`None`: never; see [`ReusePolicy::with_horizon`](crate::policy::ReusePolicy::with_horizon)
+    /// for values [`Config::validate`](crate::Config::validate) refuses).
     pub fn with_horizon(
         num_blocks: u32,
         policy: PolicyKind,

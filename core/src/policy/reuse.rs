@@ -66,7 +66,7 @@
 //! 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, up to 12 bytes of recent
 //! victims (2 generations × 5 classes × 24 bits × two fifths of a capacity), and 16 bytes of
 //! sampled walks (a tag and a tick per block of capacity, allocated at the first sampled
-//! key).
+//! key), beside a histogram of 1.5 KiB whatever the capacity.
 
 use alloc::format;
 use alloc::string::String;
@@ -74,7 +74,7 @@ use alloc::vec::Vec;
 use core::fmt::Write;
 
 use super::{EvictionPolicy, Lists, Run, Use};
-use crate::config::ReturnHorizon;
+use crate::config::{MAX_HORIZON_MIN_GAPS, ReturnHorizon};
 use crate::key::Key;
 
 /// Blocks reused, or back after an eviction.
@@ -206,13 +206,20 @@ fn bucket_end(b: usize) -> u64 {
 }
 
 impl Horizon {
+    /// A horizon learned as `config` says: its sample rounded up to a power of two and its
+    /// `min_gaps` held within `1..=MAX_HORIZON_MIN_GAPS` (what `Config::validate` asks).
     fn new(capacity: usize, config: Option<ReturnHorizon>) -> Self {
         Horizon {
             walks: Vec::new(),
             len: capacity.max(MIN_GAP_TABLE),
-            sample: config.map(|c| u64::from(c.sample.max(1)) - 1),
-            min_gaps: config.map_or(u32::MAX, |c| c.min_gaps.max(1)),
-            counts: Vec::new(),
+            sample: config.map(|c| u64::from(c.sample.max(1)).next_power_of_two() - 1),
+            min_gaps: config.map_or(u32::MAX, |c| c.min_gaps.clamp(1, MAX_HORIZON_MIN_GAPS)),
+            // The histogram is small (1.5 KiB) and wanted by every sampled return: made here.
+            counts: if config.is_some() {
+                alloc::vec![0; GAP_OVERFLOW + 1]
+            } else {
+                Vec::new()
+            },
             total: 0,
             ticks_past: u64::MAX,
         }
@@ -228,7 +235,6 @@ impl Horizon {
         }
         if self.walks.is_empty() {
             self.walks.resize(self.len, Walk::default());
-            self.counts.resize(GAP_OVERFLOW + 1, 0);
         }
         let i = ((h >> 32) % self.len as u64) as usize;
         let tag = (h >> 8) as u32 | 1;
@@ -243,9 +249,6 @@ impl Horizon {
     /// upper end of the bucket of the [`HORIZON_PERCENTILE`]th percentile once `min_gaps`
     /// are counted (none while it is the last bucket).
     fn count(&mut self, gap: u64) {
-        if self.counts.is_empty() {
-            self.counts.resize(GAP_OVERFLOW + 1, 0);
-        }
         self.counts[gap_bucket(gap)] += 1;
         self.total += 1;
         if self.total == HORIZON_HALVE_AT {
@@ -526,7 +529,9 @@ impl ReusePolicy {
     }
 
     /// An empty policy for a tier of `capacity` entries that learns its return horizon
-    /// (U10) as `horizon` says (`None`: never).
+    /// (U10) as `horizon` says (`None`: never). A sample that is not a power of two is
+    /// rounded up to one, and `min_gaps` is held within `1..=1,024`: values
+    /// [`Config::validate`](crate::Config::validate) refuses.
     pub fn with_horizon(capacity: usize, horizon: Option<ReturnHorizon>) -> Self {
         let mut bonus = [0; CLASSES];
         bonus[REUSED] = REUSE_BONUS_TURNOVERS * capacity as u64;
@@ -619,8 +624,10 @@ impl ReusePolicy {
         self.select(self.len(), &mut |_| true, &mut victims);
         for id in victims {
             let class = CLASS_NAMES[self.lists.list_of(id).expect("resident")];
-            // Due before the clock: below anything placed later (0); at or after it: placed
-            // later entries compare to it (1 + the difference).
+            // At or after the clock: entries placed later compare to it (1 + the difference).
+            // Before it, with U10 off: below anything placed later (0); with U10 on: the
+            // difference, for an expired entry is merged by its due time again when the
+            // horizon grows.
             let due = self.times[id as usize].due;
             let rel = if due >= self.clock {
                 (1 + due - self.clock) as i128
@@ -750,29 +757,27 @@ impl EvictionPolicy for ReusePolicy {
         if crate::mutant::active("no_return_horizon") {
             expired_before = 0;
         }
+        let expiring = expired_before > 0;
         loop {
-            let mut best: Option<(u64, usize)> = None;
+            // One pass over the heads: the longest idle past the horizon, and the first due.
+            let mut expired: Option<(u64, usize)> = None;
+            let mut due_first: Option<(u64, usize)> = None;
             // On a tie the first class tried wins: the new ones in order, then reused.
-            if expired_before > 0 {
-                for class in (NEW..CLASSES).chain([REUSED]) {
-                    if let Some(id) = heads[class] {
-                        let last = self.times[id as usize].last;
-                        if last < expired_before && best.is_none_or(|(l, _)| last < l) {
-                            best = Some((last, class));
-                        }
+            for class in (NEW..CLASSES).chain([REUSED]) {
+                if let Some(id) = heads[class] {
+                    let t = self.times[id as usize];
+                    if expiring
+                        && t.last < expired_before
+                        && expired.is_none_or(|(l, _)| t.last < l)
+                    {
+                        expired = Some((t.last, class));
+                    }
+                    if due_first.is_none_or(|(d, _)| t.due < d) {
+                        due_first = Some((t.due, class));
                     }
                 }
             }
-            if best.is_none() {
-                for class in (NEW..CLASSES).chain([REUSED]) {
-                    if let Some(id) = heads[class] {
-                        let due = self.times[id as usize].due;
-                        if best.is_none_or(|(d, _)| due < d) {
-                            best = Some((due, class));
-                        }
-                    }
-                }
-            }
+            let best = expired.or(due_first);
             let Some((_, class)) = best else {
                 return;
             };
@@ -1310,6 +1315,39 @@ mod tests {
         h.walked(&k(unsampled), 1);
         h.walked(&k(unsampled), 2);
         assert_eq!((h.total, h.walks.len()), (0, 0));
+    }
+
+    /// U10: a horizon made from values `Config::validate` refuses still samples at a power
+    /// of two (rounded up) and counts at least one gap and at most `MAX_HORIZON_MIN_GAPS`.
+    #[test]
+    fn u10_unchecked_values_are_rounded_into_range() {
+        let h = Horizon::new(
+            4,
+            Some(ReturnHorizon {
+                sample: 12,
+                min_gaps: 0,
+            }),
+        );
+        assert_eq!((h.sample, h.min_gaps), (Some(15), 1));
+        let h = Horizon::new(
+            4,
+            Some(ReturnHorizon {
+                sample: u32::MAX,
+                min_gaps: u32::MAX,
+            }),
+        );
+        assert_eq!(
+            (h.sample, h.min_gaps),
+            (Some((1 << 32) - 1), MAX_HORIZON_MIN_GAPS)
+        );
+        let h = Horizon::new(4, Some(ReturnHorizon::default()));
+        assert_eq!((h.sample, h.min_gaps), (Some(15), 128));
+        assert_eq!(
+            h.counts.len(),
+            GAP_OVERFLOW + 1,
+            "the histogram is made at once"
+        );
+        assert!(Horizon::new(4, None).counts.is_empty(), "none without U10");
     }
 
     /// U10, U5: an entry idle past the horizon goes before every other, the longest idle
