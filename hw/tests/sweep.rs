@@ -72,6 +72,50 @@ fn without_capacities_a_sweep_spans_one_to_fifty_percent() {
     assert_eq!(fractions, [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5]);
 }
 
+/// `--seeds N`: each cell replayed N times with the keys named anew; the JSON keeps each
+/// replay's hits, LRU's agree, and the counts are their sums.
+#[test]
+fn seeds_replay_each_cell_and_keep_every_replay() {
+    let report = report(&[
+        "--policy",
+        "lru,reuse",
+        "--fraction",
+        "0.05",
+        "--seeds",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(report["seeds"], 3);
+    for c in report["rows"][0]["cells"].as_array().expect("cells") {
+        let by_seed: Vec<u64> = c["by_seed"]
+            .as_array()
+            .expect("by_seed")
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
+        assert_eq!(by_seed.len(), 3, "{c}");
+        let total = c["hits"].as_u64().unwrap() + c["promoted"].as_u64().unwrap();
+        assert_eq!(by_seed.iter().sum::<u64>(), total, "{c}");
+        if c["policy"] == "lru" {
+            assert!(by_seed.iter().all(|&h| h == by_seed[0]), "{c}");
+        }
+    }
+    let text = bench(&[
+        "--policy",
+        "lru,reuse",
+        "--fraction",
+        "0.05",
+        "--seeds",
+        "2",
+    ]);
+    assert!(text.status.success());
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("replayed 2 times") && text.contains('–'),
+        "{text}"
+    );
+}
+
 #[test]
 fn a_sweep_above_a_tier_counts_promoted_hits() {
     let report = report(&["--fraction", "0.05", "--tier-fraction", "0.25", "--json"]);
@@ -88,6 +132,8 @@ fn a_bad_capacity_or_several_nodes_are_refused() {
     for (args, message) in [
         (&["--fraction", "1.5"][..], "--fraction"),
         (&["--fraction", "0.05", "--nodes", "2"][..], "--nodes"),
+        (&["--fraction", "0.05", "--seeds", "0"][..], "--seeds"),
+        (&["--seeds", "2"][..], "--seeds"),
     ] {
         let out = bench(args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -27,7 +27,8 @@ use super::belady::optimal_hits;
 use super::run::{BLOCK_TOKENS, key, policy_name};
 use super::workload::Request;
 
-/// One replay: a policy at a capacity.
+/// A policy at a capacity: one replay per naming of the keys ([`SweepReport::seeds`]), its
+/// counts summed over them.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct SweepCell {
     /// The primary's policy.
@@ -40,6 +41,8 @@ pub struct SweepCell {
     pub evicted: u64,
     /// Blocks written to the secondary tier (0 without one): its IO, beside the hits.
     pub tier_writes: u64,
+    /// Each replay's hits and promoted blocks, by naming of the keys.
+    pub by_seed: Vec<u64>,
 }
 
 /// One capacity of a sweep.
@@ -72,6 +75,11 @@ pub struct SweepReport {
     pub rows: Vec<SweepRow>,
     /// The secondary tier, if one was asked for.
     pub tier: Option<SweepTier>,
+    /// Replays of each cell, the keys named differently in each (the same workload: the
+    /// first naming is the one a single replay uses). LRU's and ARC's choices never read a
+    /// key's hash, so their replays agree; the reuse policy's filters and samples hash the
+    /// keys, so one replay is one draw among many.
+    pub seeds: u32,
 }
 
 /// A file-like (authoritative) secondary tier below the primary in a sweep.
@@ -92,13 +100,19 @@ fn policy_by_name<S: serde::Serializer>(p: &PolicyKind, s: S) -> Result<S::Ok, S
 }
 
 /// Replays `requests` under every policy at every fraction of the distinct blocks, above
-/// `tier` if one is given.
+/// `tier` if one is given, `seeds` times with the keys named differently each time.
 pub fn sweep(
     requests: &[Request],
     policies: &[PolicyKind],
     fractions: &[f64],
     tier: Option<SweepTier>,
+    seeds: u32,
 ) -> Result<SweepReport, BenchError> {
+    if seeds == 0 {
+        return Err(bad(
+            "seeds (--seeds): at least one replay of each cell, got 0".into(),
+        ));
+    }
     let refs: Vec<u64> = requests
         .iter()
         .flat_map(|r| r.blocks.iter().copied())
@@ -109,10 +123,6 @@ pub fn sweep(
         d.dedup();
         d.len()
     };
-    let keys: Vec<Vec<Key>> = requests
-        .iter()
-        .map(|r| r.blocks.iter().map(|&b| key(b)).collect())
-        .collect();
     if let Some(t) = tier
         && !(t.fraction > 0.0 && t.fraction <= 1.0 && t.policy != PolicyKind::Reuse)
     {
@@ -132,10 +142,6 @@ pub fn sweep(
             )));
         }
         let blocks = ((distinct as f64 * fraction) as u32).max(1);
-        let cells = policies
-            .iter()
-            .map(|&p| replay(&keys, p, blocks, below))
-            .collect::<Result<_, _>>()?;
         let optimum = optimal_hits(&refs, blocks as usize);
         rows.push(SweepRow {
             fraction,
@@ -147,8 +153,34 @@ pub fn sweep(
             } else {
                 optimum
             },
-            cells,
+            cells: policies
+                .iter()
+                .map(|&p| SweepCell {
+                    policy: policy_name(p),
+                    hits: 0,
+                    promoted: 0,
+                    evicted: 0,
+                    tier_writes: 0,
+                    by_seed: Vec::new(),
+                })
+                .collect(),
         });
+    }
+    for seed in 0..seeds {
+        let keys: Vec<Vec<Key>> = requests
+            .iter()
+            .map(|r| r.blocks.iter().map(|&b| seeded_key(b, seed)).collect())
+            .collect();
+        for row in &mut rows {
+            for (cell, &p) in row.cells.iter_mut().zip(policies) {
+                let one = replay(&keys, p, row.blocks, below)?;
+                cell.hits += one.hits;
+                cell.promoted += one.promoted;
+                cell.evicted += one.evicted;
+                cell.tier_writes += one.tier_writes;
+                cell.by_seed.push(one.hits + one.promoted);
+            }
+        }
     }
     Ok(SweepReport {
         requests: requests.len(),
@@ -156,7 +188,20 @@ pub fn sweep(
         distinct,
         rows,
         tier,
+        seeds,
     })
+}
+
+/// Block `block`'s key in naming `seed`: the bench's own key for the first, the block and
+/// the seed's bytes for the others (another hash, the same block).
+fn seeded_key(block: u64, seed: u32) -> Key {
+    if seed == 0 {
+        return key(block);
+    }
+    let mut bytes = [0; 12];
+    bytes[..8].copy_from_slice(&block.to_le_bytes());
+    bytes[8..].copy_from_slice(&seed.to_le_bytes());
+    Key::new(&bytes)
 }
 
 fn bad(reason: String) -> BenchError {
@@ -248,6 +293,7 @@ fn replay(
         policy: policy_name(policy),
         hits,
         promoted,
+        by_seed: Vec::new(),
         evicted: m.stats().evictions,
         tier_writes: m
             .stats()
@@ -279,6 +325,9 @@ fn end_jobs(m: &mut Manager) -> Result<(), BenchError> {
 impl fmt::Display for SweepReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ratio = |hits: u64| hits as f64 / self.blocks.max(1) as f64;
+        let seeds = u64::from(self.seeds.max(1));
+        // With several namings, each cell's mean and its range, in a wider column.
+        let width = if seeds > 1 { 32 } else { 16 };
         let below = match self.tier {
             None => "the primary alone".to_string(),
             Some(t) => format!(
@@ -299,7 +348,7 @@ impl fmt::Display for SweepReport {
         write!(f, "{:>9} {:>9} {:>8}", "capacity", "blocks", "optimum")?;
         if let Some(row) = self.rows.first() {
             for c in &row.cells {
-                write!(f, " {:>16}", c.policy)?;
+                write!(f, " {:>width$}", c.policy)?;
             }
         }
         writeln!(f)?;
@@ -314,12 +363,19 @@ impl fmt::Display for SweepReport {
             let all = |c: &SweepCell| c.hits + c.promoted;
             let first = row.cells.first().map_or(0, all);
             for (i, c) in row.cells.iter().enumerate() {
-                if i == 0 {
-                    write!(f, " {:>16.4}", ratio(all(c)))?;
-                } else {
+                let mut cell = format!("{:.4}", ratio(all(c)) / seeds as f64);
+                if i > 0 {
                     let vs = all(c) as f64 / first.max(1) as f64;
-                    write!(f, " {:>16}", format!("{:.4} ({vs:.3}×)", ratio(all(c))))?;
+                    cell += &format!(" ({vs:.3}×)");
                 }
+                if seeds > 1 {
+                    let (lo, hi) = c
+                        .by_seed
+                        .iter()
+                        .fold((u64::MAX, 0), |(lo, hi), &h| (lo.min(h), hi.max(h)));
+                    cell += &format!(" {:.4}–{:.4}", ratio(lo), ratio(hi));
+                }
+                write!(f, " {cell:>width$}")?;
             }
             writeln!(f)?;
         }
@@ -334,6 +390,12 @@ impl fmt::Display for SweepReport {
                 "{what}; (n×) is the hits against the first policy, {}",
                 first.policy
             )?;
+            if seeds > 1 {
+                writeln!(
+                    f,
+                    "each cell replayed {seeds} times, the keys named differently each time: the mean, (n×) of the sums, then the lowest and the highest replay"
+                )?;
+            }
         }
         Ok(())
     }
@@ -366,7 +428,7 @@ mod tests {
     fn a_sweep_replays_every_policy_at_every_capacity() {
         let w = workload();
         let policies = [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse];
-        let r = sweep(&w, &policies, &[0.1, 0.5], None).unwrap();
+        let r = sweep(&w, &policies, &[0.1, 0.5], None, 1).unwrap();
         assert_eq!(r.requests, w.len());
         assert_eq!(r.rows.len(), 2);
         for row in &r.rows {
@@ -388,13 +450,13 @@ mod tests {
     fn a_tier_below_catches_what_the_primary_evicted() {
         let w = workload();
         let policies = [PolicyKind::Lru, PolicyKind::Reuse];
-        let alone = sweep(&w, &policies, &[0.1], None).unwrap();
+        let alone = sweep(&w, &policies, &[0.1], None, 1).unwrap();
         let tier = SweepTier {
             fraction: 0.5,
             policy: PolicyKind::Lru,
             victim_lookahead: 0,
         };
-        let tiered = sweep(&w, &policies, &[0.1], Some(tier)).unwrap();
+        let tiered = sweep(&w, &policies, &[0.1], Some(tier), 1).unwrap();
         let (a, t) = (&alone.rows[0], &tiered.rows[0]);
         assert_eq!(a.tier_blocks, 0);
         assert_eq!(a.optimum_all, a.optimum);
@@ -421,14 +483,43 @@ mod tests {
                 policy,
                 victim_lookahead: 0,
             };
-            let err = sweep(&workload(), &[PolicyKind::Lru], &[0.1], Some(tier)).unwrap_err();
+            let err = sweep(&workload(), &[PolicyKind::Lru], &[0.1], Some(tier), 1).unwrap_err();
             assert!(err.to_string().contains("--tier-fraction"), "{err}");
         }
     }
 
     #[test]
     fn a_capacity_out_of_range_is_refused() {
-        let err = sweep(&workload(), &[PolicyKind::Lru], &[0.0], None).unwrap_err();
+        let err = sweep(&workload(), &[PolicyKind::Lru], &[0.0], None, 1).unwrap_err();
         assert!(err.to_string().contains("--fraction"), "{err}");
+        let err = sweep(&workload(), &[PolicyKind::Lru], &[0.1], None, 0).unwrap_err();
+        assert!(err.to_string().contains("--seeds"), "{err}");
+    }
+
+    /// Several namings: the counts are summed, each replay's hits kept; LRU never reads a
+    /// key's hash, so its replays agree; the first naming is a single replay's.
+    #[test]
+    fn seeds_replay_each_cell_with_the_keys_named_anew() {
+        let w = workload();
+        let policies = [PolicyKind::Lru, PolicyKind::Reuse];
+        let one = sweep(&w, &policies, &[0.1, 0.3], None, 1).unwrap();
+        let three = sweep(&w, &policies, &[0.1, 0.3], None, 3).unwrap();
+        assert_eq!(three.seeds, 3);
+        for (a, b) in one.rows.iter().zip(&three.rows) {
+            for (a, b) in a.cells.iter().zip(&b.cells) {
+                assert_eq!(b.by_seed.len(), 3);
+                assert_eq!(b.by_seed[0], a.hits + a.promoted, "{b:?}");
+                assert_eq!(b.by_seed.iter().sum::<u64>(), b.hits + b.promoted);
+                if b.policy == "lru" {
+                    assert!(b.by_seed.iter().all(|&h| h == a.hits), "{b:?}");
+                }
+            }
+        }
+        let text = three.to_string();
+        assert!(
+            text.contains("replayed 3 times") && text.contains('–'),
+            "{text}"
+        );
+        assert!(!one.to_string().contains("replayed"));
     }
 }

@@ -85,6 +85,12 @@ struct BenchArgs {
     /// victims at each step's end (0: written when a store completes, as vLLM).
     #[arg(long, value_name = "N", default_value_t = 0)]
     tier_victims: u32,
+    /// With a policy sweep: replay each cell N times, the keys named differently each time
+    /// (the same blocks and requests). The reuse policy's filters and samples hash the keys,
+    /// so one replay's figure is one draw among many; the table shows each cell's mean and
+    /// its lowest and highest replay. LRU and ARC never read a key's hash: theirs agree.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    seeds: u32,
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
     requests: Option<usize>,
@@ -123,6 +129,7 @@ impl BenchArgs {
             tier_fraction: _,
             tier_policy: _,
             tier_victims: _,
+            seeds: _,
             requests,
             partial_blocks,
             nodes,
@@ -292,6 +299,12 @@ fn bench(args: BenchArgs, stop: Arc<AtomicUsize>) -> Result<(), BenchError> {
     if !args.fraction.is_empty() || args.policy.len() > 1 || args.tier_fraction.is_some() {
         return sweep_run(&args, &workload(&args, None)?);
     }
+    if args.seeds != 1 {
+        return Err(BenchError::Config {
+            path: "-".into(),
+            reason: "--seeds: replays of a policy sweep's cells, so only with --fraction, several --policy or --tier-fraction".into(),
+        });
+    }
     // The parent's check alone: a node would measure memory its siblings already took.
     settings.check_nodes(args.nodes)?;
     let requests = workload(&args, None)?;
@@ -335,7 +348,7 @@ fn sweep_run(args: &BenchArgs, requests: &[Request]) -> Result<(), BenchError> {
         policy: bench::parse_policy(&args.tier_policy).expect("clap checked the value"),
         victim_lookahead: args.tier_victims,
     });
-    let report = bench::sweep(requests, &policies, &fractions, tier)?;
+    let report = bench::sweep(requests, &policies, &fractions, tier, args.seeds)?;
     output(&report, args.json, 0)
 }
 
