@@ -131,7 +131,7 @@ enum Recency {
         ghosts: [Vec<Key>; 2],
         current: usize,
         /// U9: two generations of victims of every class, repeats kept;
-        /// `recent_current` takes them, up to `⌈16 × cap / 40⌉` in all.
+        /// `recent_current` takes them, up to `⌈24 × cap / 40⌉` in all.
         recent: [Vec<(Key, ReuseClass)>; 2],
         recent_current: usize,
         cap: usize,
@@ -399,7 +399,7 @@ impl Recency {
                     let total = recent.iter().flatten().count() as u64;
                     let cap = *cap as u64;
                     let step = (cap * total / (500 * count(class).max(1) as u64))
-                        .min(cap / 50)
+                        .min(cap / 10)
                         .max(1);
                     let own = bonus.get_mut(&class).expect("adapted");
                     *own = (*own + step).min(8 * cap);
@@ -712,7 +712,7 @@ impl Recency {
             } => {
                 // U6: a victim neither generation holds goes into the current one; when that
                 // has 4 × cap keys, the other is emptied and becomes the current one.
-                let limit = (16 * *cap).div_ceil(40);
+                let limit = (24 * *cap).div_ceil(40);
                 for v in victims {
                     // U9: every victim, repeats too.
                     match entries.get(v).map(|e| e.class) {

@@ -63,8 +63,8 @@
 //! Each class is an intrusive list in due order (and so in the order its entries were
 //! placed), so every operation is O(1) but `select`, which merges the five lists' heads.
 //! Metadata: 16 bytes per entry (links and due), 8 of when it was placed (U10),
-//! 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, up to 12 bytes of recent
-//! victims (2 generations × 5 classes × 24 bits × two fifths of a capacity), and 16 bytes of
+//! 2 × 4 × 24 bits = 24 bytes of ghost per block of capacity, up to 18 bytes of recent
+//! victims (2 generations × 5 classes × 24 bits × three fifths of a capacity), and 16 bytes of
 //! sampled walks (a tag and a tick per block of capacity, allocated at the first sampled
 //! key), beside a histogram of 1.5 KiB whatever the capacity.
 
@@ -412,11 +412,17 @@ fn filter_blocks(keys: usize) -> usize {
 }
 
 /// The fraction of the capacity, in 40ths, each generation of the recent victims takes
-/// (U9): the two generations remember the last 40 % to 80 % of a capacity of victims, so a
+/// (U9): the two generations remember the last 60 % to 120 % of a capacity of victims, so a
 /// victim that comes back later than a tenth of a capacity still tells of its class (with a
 /// tenth, Mooncake's synthetic trace fell to 0.985× LRU at 2 % capacity and 0.988× at 5 %;
-/// docs/performance.md).
-const RECENT_WINDOW_40THS: usize = 16;
+/// 24 rather than 16 chosen with the steps' limit, [`MAX_STEP_DIVISOR`], on the means of
+/// eight and sixteen namings of the keys: docs/performance.md).
+const RECENT_WINDOW_40THS: usize = 24;
+
+/// U9: a step is at most this fraction of a turnover (`capacity / 10` ticks). With a
+/// fiftieth, the bonuses followed a change of the traffic five times slower, and more cells
+/// of the sweep fell below LRU (docs/performance.md).
+const MAX_STEP_DIVISOR: u64 = 10;
 
 /// The last victims of every class (U9), in two generations; each generation is
 /// one blocked Bloom filter per class. Unlike the ghost it keeps every victim, repeated or
@@ -553,7 +559,7 @@ impl ReusePolicy {
 
     /// U9: an inserted key was a recent victim of `class`: that class's bonus lengthens by a
     /// step of `capacity / 500` ticks times the recent victims over those of its class (one
-    /// over its class's share), at most `capacity / 50` (a fiftieth of a turnover) and at
+    /// over its class's share), at most `capacity / 10` (a tenth of a turnover) and at
     /// least one tick; then every class's (that one's too) shortens by a fifth of the step
     /// (the remainder carried to the next step), so the classes move against each other; a
     /// new class's that passes the reused one's takes the reused one's with it.
@@ -561,7 +567,7 @@ impl ReusePolicy {
         let total = self.recent.held_all();
         let own = self.recent.held(class).max(1);
         let step = (self.capacity.saturating_mul(total) / (500 * own))
-            .min(self.capacity / 50)
+            .min(self.capacity / MAX_STEP_DIVISOR)
             .max(1);
         let max = MAX_BONUS_TURNOVERS * self.capacity;
         self.bonus[class] = (self.bonus[class] + step).min(max);
@@ -1035,13 +1041,13 @@ mod tests {
     }
 
     /// U9: a victim of a class coming back lengthens that class's bonus by `capacity / 500`
-    /// times the victims over its class's, within `1..=capacity / 50`, then shortens every
+    /// times the victims over its class's, within `1..=capacity / 10`, then shortens every
     /// class's by a fifth of that; a key held as both counts as reused; the older generation
     /// is forgotten.
     #[test]
     fn recent_victims_adapt_the_bonuses() {
         let kk = |i: u16| Key::from(i.to_le_bytes());
-        let mut p = ReusePolicy::new(1000); // generations of 400 victims, steps of at most 20
+        let mut p = ReusePolicy::new(1000); // generations of 600 victims, steps of at most 100
         let start = REUSE_BONUS_TURNOVERS * 1000;
         let bonuses = |p: &ReusePolicy| p.bonus[REUSED..].to_vec();
         for i in 10..14 {
@@ -1055,27 +1061,27 @@ mod tests {
         for i in 30..70 {
             p.recent.push(&kk(i), NEW);
         }
-        p.insert(2, &kk(20)); // 45 victims, 1 reused: 90, at most 20; all − 4
-        assert_eq!(bonuses(&p), [start + 24, 0, 0, 0, 0]);
+        p.insert(2, &kk(20)); // 45 victims, 1 reused: + 90; all − 18 (2 fifths carried)
+        assert_eq!(bonuses(&p), [start + 80, 0, 0, 0, 0]);
         p.recent.push(&kk(10), REUSED); // 10 is now held as both: reused first
-        p.insert(3, &kk(10));
-        assert_eq!(bonuses(&p), [start + 40, 0, 0, 0, 0]);
+        p.insert(3, &kk(10)); // 46 victims, 2 reused: + 46; all − 9 (3 fifths carried)
+        assert_eq!(bonuses(&p), [start + 117, 0, 0, 0, 0]);
         p.insert(4, &kk(99)); // never a victim
-        assert_eq!(bonuses(&p), [start + 40, 0, 0, 0, 0]);
-        // 46 victims so far: 354 more fill the generation, 400 more the next, which forgets
+        assert_eq!(bonuses(&p), [start + 117, 0, 0, 0, 0]);
+        // 46 victims so far: 554 more fill the generation, 600 more the next, which forgets
         // the first.
-        for i in 100..454 {
+        for i in 100..654 {
             p.recent.push(&kk(i), NEW + 2);
         }
-        assert_eq!((p.recent.current, p.recent.held_all()), (1, 400));
-        p.insert(5, &kk(20)); // still held by the older generation
-        assert_eq!(bonuses(&p), [start + 56, 0, 0, 0, 0]);
-        for i in 500..900 {
+        assert_eq!((p.recent.current, p.recent.held_all()), (1, 600));
+        p.insert(5, &kk(20)); // still held by the older generation: + 600, at most 100; − 20
+        assert_eq!(bonuses(&p), [start + 197, 0, 0, 0, 0]);
+        for i in 700..1300 {
             p.recent.push(&kk(i), NEW + 3);
         }
         assert_eq!((p.recent.current, p.recent.held(REUSED)), (0, 0));
         p.insert(6, &kk(20));
-        assert_eq!(bonuses(&p), [start + 56, 0, 0, 0, 0], "forgotten");
+        assert_eq!(bonuses(&p), [start + 197, 0, 0, 0, 0], "forgotten");
         p.check().unwrap();
     }
 
@@ -1083,7 +1089,7 @@ mod tests {
     /// over five of them.
     #[test]
     fn fifths_of_small_steps_add_up() {
-        let mut p = ReusePolicy::new(10); // 20 ticks of reused bonus, 4 victims a generation
+        let mut p = ReusePolicy::new(10); // 20 ticks of reused bonus, 6 victims a generation
         for i in 0..5u8 {
             p.recent.push(&k(i), NEW);
             p.insert(u32::from(i), &k(i));
@@ -1103,8 +1109,8 @@ mod tests {
             p.recent.push(&kk(i), NEW + 3);
         }
         p.recent.push(&kk(100), NEW);
-        p.insert(0, &kk(100)); // + min(1000 × 21 / 500, 20), all − 4: 16, reused 1 → 16
-        assert_eq!(p.bonus[REUSED..], [16, 16, 0, 0, 0]);
+        p.insert(0, &kk(100)); // + min(1000 × 21 / 500, 100) = 42, all − 8: 34, reused 0 → 34
+        assert_eq!(p.bonus[REUSED..], [34, 34, 0, 0, 0]);
         p.check().unwrap();
     }
 
