@@ -133,7 +133,8 @@ impl Policy {
     }
 
     /// As [`Policy::new`], the reuse-aware LRU learning its return horizon (U10) as
-    /// `horizon` says (`None`: never; the others ignore it).
+    /// `horizon` says (`None`: never; the others ignore it; see
+    /// [`ReusePolicy::with_horizon`] for values `Config::validate` refuses).
     pub fn with_horizon(kind: PolicyKind, capacity: usize, horizon: Option<ReturnHorizon>) -> Self {
         match kind {
             PolicyKind::Lru => Policy::Lru(LruPolicy::with_capacity(capacity)),

@@ -414,9 +414,10 @@ fn filter_blocks(keys: usize) -> usize {
 /// The fraction of the capacity, in 40ths, each generation of the recent victims takes
 /// (U9): the two generations remember the last 60 % to 120 % of a capacity of victims, so a
 /// victim that comes back later than a tenth of a capacity still tells of its class (with a
-/// tenth, Mooncake's synthetic trace fell to 0.985× LRU at 2 % capacity and 0.988× at 5 %;
-/// 24 rather than 16 chosen with the steps' limit, [`MAX_STEP_DIVISOR`], on the means of
-/// eight and sixteen namings of the keys: docs/performance.md).
+/// window of a tenth of a capacity, Mooncake's synthetic trace fell to 0.985× LRU at 2 %
+/// capacity and 0.988× at 5 %; 24 rather than 16 was chosen with the steps' limit,
+/// [`MAX_STEP_DIVISOR`], on the means of eight and sixteen namings of the keys:
+/// docs/performance.md).
 const RECENT_WINDOW_40THS: usize = 24;
 
 /// U9: a step is at most this fraction of a turnover (`capacity / 10` ticks). With a

@@ -27,8 +27,8 @@ use super::belady::optimal_hits;
 use super::run::{BLOCK_TOKENS, key, policy_name};
 use super::workload::Request;
 
-/// A policy at a capacity: one replay per naming of the keys ([`SweepReport::seeds`]), its
-/// counts summed over them.
+/// A policy at a capacity: its counts are those of the replay with the first naming of the
+/// keys (a single replay's), and `by_seed` holds every naming's ([`SweepReport::seeds`]).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct SweepCell {
     /// The primary's policy.
@@ -41,7 +41,8 @@ pub struct SweepCell {
     pub evicted: u64,
     /// Blocks written to the secondary tier (0 without one): its IO, beside the hits.
     pub tier_writes: u64,
-    /// Each replay's hits and promoted blocks, by naming of the keys.
+    /// Each naming's replay: its hits and promoted blocks together (the overall hits), the
+    /// first naming's first.
     pub by_seed: Vec<u64>,
 }
 
@@ -76,9 +77,10 @@ pub struct SweepReport {
     /// The secondary tier, if one was asked for.
     pub tier: Option<SweepTier>,
     /// Replays of each cell, the keys named differently in each (the same workload: the
-    /// first naming is the one a single replay uses). LRU's and ARC's choices never read a
-    /// key's hash, so their replays agree; the reuse policy's filters and samples hash the
-    /// keys, so one replay is one draw among many.
+    /// first naming is the one a single replay uses). LRU's choices never read a key's hash
+    /// (ARC's ghost keeps 64-bit hashes, which practically never collide), so their replays
+    /// agree; the reuse policy's filters and samples hash the keys, so one replay is one
+    /// draw among many.
     pub seeds: u32,
 }
 
@@ -174,10 +176,10 @@ pub fn sweep(
         for row in &mut rows {
             for (cell, &p) in row.cells.iter_mut().zip(policies) {
                 let one = replay(&keys, p, row.blocks, below)?;
-                cell.hits += one.hits;
-                cell.promoted += one.promoted;
-                cell.evicted += one.evicted;
-                cell.tier_writes += one.tier_writes;
+                if seed == 0 {
+                    let by_seed = core::mem::take(&mut cell.by_seed);
+                    *cell = SweepCell { by_seed, ..one };
+                }
                 cell.by_seed.push(one.hits + one.promoted);
             }
         }
@@ -360,7 +362,8 @@ impl fmt::Display for SweepReport {
                 row.blocks,
                 ratio(row.optimum_all)
             )?;
-            let all = |c: &SweepCell| c.hits + c.promoted;
+            // Every naming's overall hits, summed: the mean's numerator.
+            let all = |c: &SweepCell| c.by_seed.iter().sum::<u64>();
             let first = row.cells.first().map_or(0, all);
             for (i, c) in row.cells.iter().enumerate() {
                 let mut cell = format!("{:.4}", ratio(all(c)) / seeds as f64);
@@ -496,8 +499,9 @@ mod tests {
         assert!(err.to_string().contains("--seeds"), "{err}");
     }
 
-    /// Several namings: the counts are summed, each replay's hits kept; LRU never reads a
-    /// key's hash, so its replays agree; the first naming is a single replay's.
+    /// Several namings: a cell's counts are the first naming's, which a single replay
+    /// gives, and each naming's overall hits are kept; LRU never reads a key's hash, so its
+    /// replays agree.
     #[test]
     fn seeds_replay_each_cell_with_the_keys_named_anew() {
         let w = workload();
@@ -507,9 +511,13 @@ mod tests {
         assert_eq!(three.seeds, 3);
         for (a, b) in one.rows.iter().zip(&three.rows) {
             for (a, b) in a.cells.iter().zip(&b.cells) {
+                assert_eq!(a.by_seed, [a.hits + a.promoted]);
                 assert_eq!(b.by_seed.len(), 3);
-                assert_eq!(b.by_seed[0], a.hits + a.promoted, "{b:?}");
-                assert_eq!(b.by_seed.iter().sum::<u64>(), b.hits + b.promoted);
+                assert_eq!(
+                    (b.hits, b.promoted, b.evicted, b.by_seed[0]),
+                    (a.hits, a.promoted, a.evicted, a.by_seed[0]),
+                    "the first naming is a single replay's"
+                );
                 if b.policy == "lru" {
                     assert!(b.by_seed.iter().all(|&h| h == a.hits), "{b:?}");
                 }
@@ -521,5 +529,21 @@ mod tests {
             "{text}"
         );
         assert!(!one.to_string().contains("replayed"));
+    }
+
+    /// Each naming gives every block another key, and so another hash (what the reuse
+    /// policy's filters and samples read), while the first is the bench's own.
+    #[test]
+    fn each_naming_gives_other_keys_and_hashes() {
+        for block in [0, 1, 1 << 40] {
+            assert!(seeded_key(block, 0) == key(block));
+            let keys: Vec<Key> = (0..4).map(|s| seeded_key(block, s)).collect();
+            for (i, a) in keys.iter().enumerate() {
+                for b in &keys[i + 1..] {
+                    assert!(a != b && a.hash64() != b.hash64(), "{block}");
+                }
+            }
+        }
+        assert!(seeded_key(1, 1) != seeded_key(2, 1));
     }
 }

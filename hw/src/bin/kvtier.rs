@@ -88,8 +88,8 @@ struct BenchArgs {
     /// With a policy sweep: replay each cell N times, the keys named differently each time
     /// (the same blocks and requests). The reuse policy's filters and samples hash the keys,
     /// so one replay's figure is one draw among many; the table shows each cell's mean and
-    /// its lowest and highest replay. LRU and ARC never read a key's hash: theirs agree.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    /// its lowest and highest replay. LRU's replays agree (it never reads a key's hash).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     seeds: u32,
     /// Requests to replay: of the synthetic workload, or the first N of the trace.
     #[arg(long)]
