@@ -71,9 +71,19 @@ impl Ports {
     }
 }
 
-/// One server of this process starts at a time: between choosing its free ports and binding
-/// them, another test's server must not take them.
+/// One server of this process starts (or restarts) at a time, holding this from choosing its
+/// free ports to its gateway answering: otherwise two tests starting together can be given
+/// the same free ports, and the second one's gateway, failing to bind, can log its port while
+/// the first one's answers on it, so that its test talks to the other test's server (a frozen
+/// server then still answered, once in CI).
 static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds [`STARTING`].
+fn starting() -> std::sync::MutexGuard<'static, ()> {
+    STARTING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// A `weed server` with its S3 gateway on 127.0.0.1, killed on drop.
 pub(crate) struct S3Server {
@@ -104,6 +114,7 @@ impl S3Server {
         std::fs::create_dir(dir.path().join("data")).unwrap();
         let mut last_log = String::new();
         for _ in 0..10 {
+            let _one = starting();
             let mut server = S3Server {
                 child: None,
                 ports: Ports::free(),
@@ -129,11 +140,8 @@ impl S3Server {
     }
 
     /// Starts the process on `self.ports` and waits until its gateway answers; the log if it
-    /// does not.
+    /// does not. The caller holds [`STARTING`].
     fn launch(&mut self) -> Result<(), String> {
-        let _one = STARTING
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let p = self.ports.0;
         let log = self.dir.path().join("weed.log");
         let child = Command::new(weed())
@@ -368,6 +376,8 @@ impl S3Server {
 
     /// Starts the process again on the same ports and data.
     pub(crate) fn restart(&mut self) {
+        // No other test's server may choose this one's ports while it is down.
+        let _one = starting();
         self.stop();
         let start = Instant::now();
         loop {
