@@ -155,17 +155,8 @@ pub fn sweep(
             } else {
                 optimum
             },
-            cells: policies
-                .iter()
-                .map(|&p| SweepCell {
-                    policy: policy_name(p),
-                    hits: 0,
-                    promoted: 0,
-                    evicted: 0,
-                    tier_writes: 0,
-                    by_seed: Vec::new(),
-                })
-                .collect(),
+            // Filled below, by the first naming's replays.
+            cells: Vec::with_capacity(policies.len()),
         });
     }
     for seed in 0..seeds {
@@ -174,13 +165,13 @@ pub fn sweep(
             .map(|r| r.blocks.iter().map(|&b| seeded_key(b, seed)).collect())
             .collect();
         for row in &mut rows {
-            for (cell, &p) in row.cells.iter_mut().zip(policies) {
+            for (i, &p) in policies.iter().enumerate() {
                 let one = replay(&keys, p, row.blocks, below)?;
-                if seed == 0 {
-                    let by_seed = core::mem::take(&mut cell.by_seed);
-                    *cell = SweepCell { by_seed, ..one };
+                match row.cells.get_mut(i) {
+                    // Later namings add their overall hits to the first's cell.
+                    Some(cell) => cell.by_seed.extend(one.by_seed),
+                    None => row.cells.push(one),
                 }
-                cell.by_seed.push(one.hits + one.promoted);
             }
         }
     }
@@ -295,7 +286,7 @@ fn replay(
         policy: policy_name(policy),
         hits,
         promoted,
-        by_seed: Vec::new(),
+        by_seed: vec![hits + promoted],
         evicted: m.stats().evictions,
         tier_writes: m
             .stats()
