@@ -45,8 +45,9 @@
 //! its sequence number is higher. With no checkpoint of that session (it crashed before its
 //! first store, or while writing one), opening reads every record header. A record whose
 //! header does not verify (torn by a crash, corrupted on disk) is dropped and counted in
-//! [`OpenReport::corrupt`], and its header is cleared (synced unless the policy is
-//! [`FsyncPolicy::None`]) so no later open finds it again; the next sequence number is above
+//! [`OpenReport::corrupt`], and its header is cleared and synced (whatever the policy: the
+//! torn copy may have hidden an older one of its key, which the open then serves) so no later
+//! open finds it again; the next sequence number is above
 //! that of every header that verified, dropped records included; every read checks that the header names the key and the sequence
 //! number the index holds, so a record holding another write is never served. Either way the payload is verified by every read (★1):
 //! a payload torn behind a valid header is found at its first read, fails that read (never
@@ -151,7 +152,8 @@ impl PageBuf {
 pub enum FsyncPolicy {
     /// Never sync while open; the OS writes back when it decides (with `O_DIRECT`, as the
     /// write returns, but the device may still hold it in a volatile cache). Acknowledged
-    /// durable: the blocks held when the tier is closed (dropped) cleanly. A process that dies
+    /// durable: the blocks held when the tier is closed (dropped) cleanly, and those an open
+    /// after a crash found (what it repaired is synced before it serves). A process that dies
     /// loses nothing (its writes reached the device, or the page cache); a power loss may
     /// lose any block stored since the tier was opened, and never serves one wrong. The
     /// default: a cache tier's blocks can always be recomputed, and a sync per job bounds
@@ -1325,9 +1327,12 @@ impl FileStore {
         Ok(())
     }
 
-    /// Zeroes the headers of records dropped at open (synced unless the policy is
-    /// [`FsyncPolicy::None`]), so that no later open finds one of them again: a dropped record
-    /// whose header verified (its payload did not) would otherwise come back as a block.
+    /// Zeroes the headers of records dropped at open, so that no later open finds one of them
+    /// again: a dropped record whose header verified (its payload did not) would otherwise
+    /// come back as a block. Synced whatever the policy, before the tier serves anything:
+    /// a dropped copy may have hidden an older one of its key that the open now serves, and
+    /// a crash that undid an unsynced clearing would bring the torn copy back over it (its
+    /// sequence number is higher), losing a block the device held.
     fn forget(&self, dropped: &[u32]) -> Result<(), StoreError> {
         if dropped.is_empty() {
             return Ok(());
@@ -1341,11 +1346,8 @@ impl FileStore {
             )
             .map_err(io_err("clear a dropped record", &self.path))?;
         }
-        if self.fsync != FsyncPolicy::None {
-            self.sync_data()
-                .map_err(io_err("clear a dropped record", &self.path))?;
-        }
-        Ok(())
+        self.sync_data()
+            .map_err(io_err("clear a dropped record", &self.path))
     }
 
     fn scan(
