@@ -221,53 +221,13 @@ impl Config {
             return bad("tiers", "at most 64 secondary tiers");
         }
         for (i, t) in self.tiers.iter().enumerate() {
-            if t.capacity_blocks == 0 {
-                return bad(&format!("tiers[{i}].capacity_blocks"), "must be at least 1");
-            }
-            if t.capacity_blocks > MAX_BLOCKS {
-                return bad(
-                    &format!("tiers[{i}].capacity_blocks"),
-                    "must be at most 536870910",
-                );
-            }
-            if t.policy == PolicyKind::Reuse {
-                return bad(
-                    &format!("tiers[{i}].policy"),
-                    "the reuse-aware LRU learns from requests' finishes, which only the primary \
-                     sees: a secondary tier takes Lru or Arc",
-                );
-            }
-            if t.max_outstanding_stores == 0 {
-                return bad(
-                    &format!("tiers[{i}].max_outstanding_stores"),
-                    "must be at least 1",
-                );
-            }
-            if t.admission == (Admission::Victim { lookahead: 0 }) {
-                return bad(
-                    &format!("tiers[{i}].admission"),
-                    "a victim tier's lookahead must be at least 1 block",
-                );
-            }
-            if t.kind == TierKind::Shared && t.absent_ttl_steps == 0 {
-                return bad(
-                    &format!("tiers[{i}].absent_ttl_steps"),
-                    "must be at least 1",
-                );
-            }
+            t.validate(&format!("tiers[{i}]"))?;
         }
         if self.promotion_cooldown_steps == 0 {
             return bad("promotion_cooldown_steps", "must be at least 1");
         }
-        if self.health.failures_to_down == 0 {
-            return bad("health.failures_to_down", "must be at least 1");
-        }
-        if self.health.probe_interval_steps == 0 {
-            return bad("health.probe_interval_steps", "must be at least 1");
-        }
-        if self.wait_deadline == Some(0) {
-            return bad("wait_deadline", "must be at least 1");
-        }
+        self.health.validate()?;
+        validate_wait_deadline(self.wait_deadline)?;
         if let Some(r) = self.reuse {
             if r.store_threshold < 2 {
                 return bad("reuse.store_threshold", "must be at least 2");
@@ -275,6 +235,70 @@ impl Config {
             if r.max_tracker_size == 0 {
                 return bad("reuse.max_tracker_size", "must be at least 1");
             }
+        }
+        Ok(())
+    }
+}
+
+fn invalid(field: String, reason: &'static str) -> Result<(), ConfigError> {
+    Err(ConfigError::Invalid { field, reason })
+}
+
+/// `wait_deadline`: none, or at least one tick.
+pub(crate) fn validate_wait_deadline(deadline: Option<u64>) -> Result<(), ConfigError> {
+    if deadline == Some(0) {
+        return invalid(String::from("wait_deadline"), "must be at least 1");
+    }
+    Ok(())
+}
+
+impl TierConfig {
+    /// Checks one tier's values; `field` names the tier in the error (`tiers[1]`, `tier`).
+    pub(crate) fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        let bad = |name: &str, reason| invalid(format!("{field}.{name}"), reason);
+        if self.capacity_blocks == 0 {
+            return bad("capacity_blocks", "must be at least 1");
+        }
+        if self.capacity_blocks > MAX_BLOCKS {
+            return bad("capacity_blocks", "must be at most 536870910");
+        }
+        if self.policy == PolicyKind::Reuse {
+            return bad(
+                "policy",
+                "the reuse-aware LRU learns from requests' finishes, which only the primary \
+                 sees: a secondary tier takes Lru or Arc",
+            );
+        }
+        if self.max_outstanding_stores == 0 {
+            return bad("max_outstanding_stores", "must be at least 1");
+        }
+        if self.admission == (Admission::Victim { lookahead: 0 }) {
+            return bad(
+                "admission",
+                "a victim tier's lookahead must be at least 1 block",
+            );
+        }
+        if self.kind == TierKind::Shared && self.absent_ttl_steps == 0 {
+            return bad("absent_ttl_steps", "must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+impl HealthConfig {
+    /// Checks the thresholds (each at least 1).
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.failures_to_down == 0 {
+            return invalid(
+                String::from("health.failures_to_down"),
+                "must be at least 1",
+            );
+        }
+        if self.probe_interval_steps == 0 {
+            return invalid(
+                String::from("health.probe_interval_steps"),
+                "must be at least 1",
+            );
         }
         Ok(())
     }

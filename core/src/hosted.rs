@@ -10,9 +10,12 @@
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::format;
+use alloc::string::String;
 use alloc::vec::Vec;
 
-use crate::config::{HealthConfig, TierConfig, TierKind};
+use crate::config::{
+    Admission, ConfigError, HealthConfig, TierConfig, TierKind, validate_wait_deadline,
+};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{Effect, Event, EventKind, Job, JobKind, JobResult, Medium, Outcome, Transfer};
 use crate::key::{JobId, Key, RequestId, SlotId, TierId};
@@ -35,7 +38,7 @@ pub enum HostedLookup {
 pub struct HostedConfig {
     /// Its kind, capacity, policy and probe bounds. Its `admission` must be `Cascade`: the
     /// host's manager decides what the tier is written (a victim tier needs kvtier's
-    /// `Manager`; `kvtier_hw::HostedDriver` refuses another).
+    /// `Manager`; [`HostedTier::new`] refuses another).
     pub tier: TierConfig,
     /// When it goes Down, and how often a Down tier is probed (G12–G14).
     pub health: HealthConfig,
@@ -52,6 +55,23 @@ impl HostedConfig {
             health: HealthConfig::default(),
             wait_deadline: None,
         }
+    }
+
+    /// Checks the values as [`Config::validate`](crate::Config::validate) checks a
+    /// secondary tier's (the fields named `tier.…`), the health thresholds and the deadline;
+    /// besides, the tier's admission must be [`Admission::Cascade`]: the host's manager
+    /// decides what the tier is written, and a victim tier (V1–V4) needs kvtier's `Manager`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.tier.validate("tier")?;
+        if self.tier.admission != Admission::Cascade {
+            return Err(ConfigError::Invalid {
+                field: String::from("tier.admission"),
+                reason: "a hosted tier is written as its host's manager decides: a victim tier \
+                         (V1-V4) needs kvtier's own Manager",
+            });
+        }
+        self.health.validate()?;
+        validate_wait_deadline(self.wait_deadline)
     }
 }
 
@@ -169,9 +189,11 @@ pub struct HostedTier {
 }
 
 impl HostedTier {
-    /// An empty tier, Up; `config.tier.kind` says whether other nodes write it too.
-    pub fn new(config: HostedConfig) -> Self {
-        HostedTier {
+    /// An empty tier, Up; `config.tier.kind` says whether other nodes write it too. A
+    /// configuration [`HostedConfig::validate`] refuses is a typed error naming the field.
+    pub fn new(config: HostedConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(HostedTier {
             index: TierIndex::new(TierId(0), &config.tier),
             config,
             step: 0,
@@ -191,7 +213,7 @@ impl HostedTier {
             finished: VecDeque::new(),
             events: Vec::new(),
             stats: HostedStats::default(),
-        }
+        })
     }
 
     /// The tier's index.

@@ -8,8 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use common::Rng;
 
 use kvtier_core::{
-    Effect, Error, EventKind, Health, HealthConfig, HostedConfig, HostedLookup, HostedResult,
-    HostedTier, JobId, JobKind, JobResult, Key, Outcome, SlotId, TierConfig, TierKind,
+    Admission, ConfigError, Effect, Error, EventKind, Health, HealthConfig, HostedConfig,
+    HostedLookup, HostedResult, HostedTier, JobId, JobKind, JobResult, Key, Outcome, PolicyKind,
+    SlotId, TierConfig, TierKind,
 };
 
 fn k(i: u8) -> Key {
@@ -17,7 +18,7 @@ fn k(i: u8) -> Key {
 }
 
 fn tier(kind: TierKind, capacity: u32) -> HostedTier {
-    HostedTier::new(HostedConfig::new(TierConfig::new(kind, capacity)))
+    HostedTier::new(HostedConfig::new(TierConfig::new(kind, capacity))).expect("a valid tier")
 }
 
 fn blocks(keys: &[u8]) -> Vec<(Key, SlotId)> {
@@ -155,7 +156,7 @@ fn g4_a_shared_tier_probes_an_unknown_key_and_remembers_the_answer() {
 fn g4_beyond_the_probe_bound_a_lookup_misses() {
     let mut c = TierConfig::new(TierKind::Shared, 8);
     c.max_outstanding_probes = 2;
-    let mut t = HostedTier::new(HostedConfig::new(c));
+    let mut t = HostedTier::new(HostedConfig::new(c)).expect("a valid tier");
     assert_eq!(t.lookup(&k(0)), HostedLookup::Retry);
     assert_eq!(t.lookup(&k(1)), HostedLookup::Retry);
     assert_eq!(t.lookup(&k(2)), HostedLookup::Miss);
@@ -374,7 +375,7 @@ fn g10_a_slot_an_outstanding_load_writes_is_refused_to_every_other_job() {
 fn with(kind: TierKind, capacity: u32, f: impl FnOnce(&mut HostedConfig)) -> HostedTier {
     let mut c = HostedConfig::new(TierConfig::new(kind, capacity));
     f(&mut c);
-    HostedTier::new(c)
+    HostedTier::new(c).expect("a valid tier")
 }
 
 #[test]
@@ -687,4 +688,60 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
         );
         t.check_invariants().unwrap();
     }
+}
+
+/// A hosted tier's configuration is checked as a secondary tier's is in `Config::validate`,
+/// and a victim admission (V1–V4 need kvtier's `Manager`) is refused too: each is a typed
+/// error naming its field, never a tier that misbehaves later.
+#[test]
+fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
+    let refused = |f: &dyn Fn(&mut HostedConfig)| {
+        let mut c = HostedConfig::new(TierConfig::new(TierKind::Shared, 8));
+        f(&mut c);
+        match HostedTier::new(c) {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            Ok(_) => panic!("accepted"),
+        }
+    };
+    assert_eq!(
+        refused(&|c| c.tier.capacity_blocks = 0),
+        "tier.capacity_blocks"
+    );
+    assert_eq!(
+        refused(&|c| c.tier.policy = PolicyKind::Reuse),
+        "tier.policy"
+    );
+    assert_eq!(
+        refused(&|c| c.tier.max_outstanding_stores = 0),
+        "tier.max_outstanding_stores"
+    );
+    assert_eq!(
+        refused(&|c| c.tier.absent_ttl_steps = 0),
+        "tier.absent_ttl_steps"
+    );
+    assert_eq!(
+        refused(&|c| c.tier.admission = Admission::Victim { lookahead: 4 }),
+        "tier.admission"
+    );
+    assert_eq!(
+        refused(&|c| c.health.failures_to_down = 0),
+        "health.failures_to_down"
+    );
+    assert_eq!(
+        refused(&|c| c.health.probe_interval_steps = 0),
+        "health.probe_interval_steps"
+    );
+    assert_eq!(refused(&|c| c.wait_deadline = Some(0)), "wait_deadline");
+    // The message says why.
+    let mut c = HostedConfig::new(TierConfig::new(TierKind::Authoritative, 8));
+    c.tier.admission = Admission::Victim { lookahead: 4 };
+    let Err(e) = HostedTier::new(c) else {
+        panic!("accepted")
+    };
+    assert!(e.to_string().contains("victim tier"), "{e}");
+    // And the edges that are valid are taken.
+    let mut c = HostedConfig::new(TierConfig::new(TierKind::Shared, 1));
+    c.wait_deadline = Some(1);
+    c.tier.policy = PolicyKind::Arc;
+    assert!(HostedTier::new(c).is_ok());
 }

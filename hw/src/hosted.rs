@@ -185,17 +185,9 @@ impl HostedDriver {
         rows: HostRows,
         threads: usize,
     ) -> Result<Self, HwError> {
-        if config.tier.capacity_blocks == 0 {
-            return Err(HwError::Setup("a tier of no blocks".into()));
-        }
-        if config.tier.admission != kvtier_core::Admission::Cascade {
-            return Err(HwError::Setup(
-                "a tier under another manager is written as that manager decides: a victim \
-                 tier (victim_lookahead) needs kvtier's own manager"
-                    .into(),
-            ));
-        }
-        let mut core = HostedTier::new(config);
+        // A configuration the core refuses (a victim admission among others: the host's
+        // manager decides what the tier is written) fails here, before anything starts.
+        let mut core = HostedTier::new(config)?;
         core.restore(store.recovered());
         let done: Completions = Arc::new(Queue::new());
         let io = TierIo::start(
