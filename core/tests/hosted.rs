@@ -703,35 +703,32 @@ fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
             Ok(_) => panic!("accepted"),
         }
     };
-    assert_eq!(
-        refused(&|c| c.tier.capacity_blocks = 0),
-        "tier.capacity_blocks"
-    );
-    assert_eq!(
-        refused(&|c| c.tier.policy = PolicyKind::Reuse),
-        "tier.policy"
-    );
-    assert_eq!(
-        refused(&|c| c.tier.max_outstanding_stores = 0),
-        "tier.max_outstanding_stores"
-    );
-    assert_eq!(
-        refused(&|c| c.tier.absent_ttl_steps = 0),
-        "tier.absent_ttl_steps"
-    );
-    assert_eq!(
-        refused(&|c| c.tier.admission = Admission::Victim { lookahead: 4 }),
-        "tier.admission"
-    );
-    assert_eq!(
-        refused(&|c| c.health.failures_to_down = 0),
-        "health.failures_to_down"
-    );
-    assert_eq!(
-        refused(&|c| c.health.probe_interval_steps = 0),
-        "health.probe_interval_steps"
-    );
-    assert_eq!(refused(&|c| c.wait_deadline = Some(0)), "wait_deadline");
+    type Set<'a> = &'a dyn Fn(&mut HostedConfig);
+    let cases: [(Set<'_>, &str); 8] = [
+        (&|c| c.tier.capacity_blocks = 0, "tier.capacity_blocks"),
+        (&|c| c.tier.policy = PolicyKind::Reuse, "tier.policy"),
+        (
+            &|c| c.tier.max_outstanding_stores = 0,
+            "tier.max_outstanding_stores",
+        ),
+        (&|c| c.tier.absent_ttl_steps = 0, "tier.absent_ttl_steps"),
+        (
+            &|c| c.tier.admission = Admission::Victim { lookahead: 4 },
+            "tier.admission",
+        ),
+        (
+            &|c| c.health.failures_to_down = 0,
+            "health.failures_to_down",
+        ),
+        (
+            &|c| c.health.probe_interval_steps = 0,
+            "health.probe_interval_steps",
+        ),
+        (&|c| c.wait_deadline = Some(0), "wait_deadline"),
+    ];
+    for (set, field) in cases {
+        assert_eq!(refused(set), field);
+    }
     // The message says why.
     let mut c = HostedConfig::new(TierConfig::new(TierKind::Authoritative, 8));
     c.tier.admission = Admission::Victim { lookahead: 4 };
