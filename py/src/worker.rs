@@ -502,6 +502,7 @@ impl Worker {
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
+        py: Python<'_>,
         job_id: i64,
         store: bool,
         block_ids: Vec<usize>,
@@ -524,6 +525,22 @@ impl Worker {
             seal,
             submitted: Instant::now(),
         };
+        // A GPU handler's first job attaches the region, which may wait (up to
+        // `attach_timeout_s`) for the scheduler to create it: without the GIL, so that the
+        // worker's other Python threads run meanwhile, and before the sender's lock (which
+        // `shutdown` takes holding the GIL). Attached once, this is a lookup.
+        let attached = match &self.gpu {
+            Some(_)
+                if self
+                    .jobs
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .is_some() =>
+            {
+                Some(py.detach(|| self.shared.region()))
+            }
+            _ => None,
+        };
         // Held to the end of the submission: `shutdown` takes the sender first, so a job is
         // either queued before it (and waited for, and reported) or refused, on the GPU as on
         // the CPU (a GPU job after it would make a new engine, outliving the shutdown).
@@ -539,7 +556,10 @@ impl Worker {
         }
         if let Some(gpu) = &self.gpu {
             self.start(job_id)?;
-            self.submit_gpu(gpu, job, stream.unwrap_or(0));
+            match attached {
+                Some(Err(e)) => self.shared.finish(&job, Err(e)),
+                _ => self.submit_gpu(gpu, job, stream.unwrap_or(0)),
+            }
             return Ok(true);
         }
         self.start(job_id)?;

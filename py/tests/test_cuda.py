@@ -219,3 +219,47 @@ def test_a_gpu_job_in_flight_at_shutdown_ends_and_is_reported(region_dir):
         assert not waiting.is_alive(), "wait for a job reported ended did not return"
     finally:
         manager.shutdown()
+
+
+@pytest.mark.skipif(not GPU, reason="GPU tests run with KVTIER_GPU_TESTS=1")
+def test_a_first_gpu_job_waits_for_the_region_without_holding_the_gil(region_dir):
+    """The scheduler, which creates the region, may start after the workers: the first GPU
+    job waits for it (up to ``attach_timeout_s``) with the GIL released, so the worker's other
+    Python threads (vLLM's among them) run meanwhile; a region that never appears fails the
+    job with the reason."""
+    import threading
+    import time
+
+    import torch
+
+    page = 4096
+    t = torch.zeros((4, page), dtype=torch.uint8, device="cuda")
+    worker = _native.Worker(
+        region_path=str(region_dir / "absent"), rows=2, workers=1, block_bytes_per_worker=page,
+        rank=0, groups=[[(t.data_ptr(), 4, page, page)]], device=0, attach_timeout_s=0.5,
+    )
+    ticks = 0
+    stop = threading.Event()
+
+    def spin():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.05)
+        before = ticks
+        assert worker.submit(7, False, [0], [1], [0], [0])
+        during = ticks - before
+    finally:
+        stop.set()
+        spinner.join()
+    worker.wait([7])
+    assert [f[:2] for f in worker.get_finished()] == [(7, False)]
+    assert "absent" in worker.error(7)
+    # Half a second of waiting: the spinning thread ran through it, not after it.
+    assert during > 50, during
+    worker.shutdown()
