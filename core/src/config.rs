@@ -221,13 +221,15 @@ impl Config {
             return bad("tiers", "at most 64 secondary tiers");
         }
         for (i, t) in self.tiers.iter().enumerate() {
-            t.validate(&format!("tiers[{i}]"))?;
+            t.validate(&format!("tiers[{i}]"), false)?;
         }
         if self.promotion_cooldown_steps == 0 {
             return bad("promotion_cooldown_steps", "must be at least 1");
         }
         self.health.validate()?;
-        validate_wait_deadline(self.wait_deadline)?;
+        if self.wait_deadline == Some(0) {
+            return bad("wait_deadline", "must be at least 1");
+        }
         if let Some(r) = self.reuse {
             if r.store_threshold < 2 {
                 return bad("reuse.store_threshold", "must be at least 2");
@@ -244,17 +246,11 @@ fn invalid(field: String, reason: &'static str) -> Result<(), ConfigError> {
     Err(ConfigError::Invalid { field, reason })
 }
 
-/// `wait_deadline`: none, or at least one tick.
-pub(crate) fn validate_wait_deadline(deadline: Option<u64>) -> Result<(), ConfigError> {
-    if deadline == Some(0) {
-        return invalid(String::from("wait_deadline"), "must be at least 1");
-    }
-    Ok(())
-}
-
 impl TierConfig {
     /// Checks one tier's values; `field` names the tier in the error (`tiers[1]`, `tier`).
-    pub(crate) fn validate(&self, field: &str) -> Result<(), ConfigError> {
+    /// `reuse`: whether the reuse-aware LRU is taken (a hosted tier's host may feed it its
+    /// touches; under kvtier's `Manager` it would never see a finish).
+    pub(crate) fn validate(&self, field: &str, reuse: bool) -> Result<(), ConfigError> {
         let bad = |name: &str, reason| invalid(format!("{field}.{name}"), reason);
         if self.capacity_blocks == 0 {
             return bad("capacity_blocks", "must be at least 1");
@@ -262,7 +258,7 @@ impl TierConfig {
         if self.capacity_blocks > MAX_BLOCKS {
             return bad("capacity_blocks", "must be at most 536870910");
         }
-        if self.policy == PolicyKind::Reuse {
+        if self.policy == PolicyKind::Reuse && !reuse {
             return bad(
                 "policy",
                 "the reuse-aware LRU learns from requests' finishes, which only the primary \

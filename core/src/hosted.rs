@@ -13,9 +13,7 @@ use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 
-use crate::config::{
-    Admission, ConfigError, HealthConfig, TierConfig, TierKind, validate_wait_deadline,
-};
+use crate::config::{Admission, ConfigError, HealthConfig, TierConfig, TierKind};
 use crate::error::{Error, Violation, ensure};
 use crate::event::{Effect, Event, EventKind, Job, JobKind, JobResult, Medium, Outcome, Transfer};
 use crate::key::{JobId, Key, RequestId, SlotId, TierId};
@@ -58,11 +56,13 @@ impl HostedConfig {
     }
 
     /// Checks the values as [`Config::validate`](crate::Config::validate) checks a
-    /// secondary tier's (the fields named `tier.…`), the health thresholds and the deadline;
-    /// besides, the tier's admission must be [`Admission::Cascade`]: the host's manager
-    /// decides what the tier is written, and a victim tier (V1–V4) needs kvtier's `Manager`.
+    /// secondary tier's (the fields named `tier.…`; the reuse-aware LRU is taken, fed by the
+    /// host's touches) and the health thresholds; besides, the tier's admission must be
+    /// [`Admission::Cascade`]: the host's manager decides what the tier is written, and a
+    /// victim tier (V1–V4) needs kvtier's `Manager`. Any `wait_deadline` is taken (0: a busy
+    /// block answers `Miss` once its clock has moved on).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.tier.validate("tier")?;
+        self.tier.validate("tier", true)?;
         if self.tier.admission != Admission::Cascade {
             return Err(ConfigError::Invalid {
                 field: String::from("tier.admission"),
@@ -70,8 +70,7 @@ impl HostedConfig {
                          (V1-V4) needs kvtier's own Manager",
             });
         }
-        self.health.validate()?;
-        validate_wait_deadline(self.wait_deadline)
+        self.health.validate()
     }
 }
 

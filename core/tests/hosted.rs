@@ -690,9 +690,10 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
     }
 }
 
-/// A hosted tier's configuration is checked as a secondary tier's is in `Config::validate`,
-/// and a victim admission (V1–V4 need kvtier's `Manager`) is refused too: each is a typed
-/// error naming its field, never a tier that misbehaves later.
+/// A hosted tier's configuration is checked as a secondary tier's is in `Config::validate`
+/// (but for the reuse-aware LRU, which the host's touches feed), and a victim admission (V1–V4
+/// need kvtier's `Manager`) is refused too: each is a typed error naming its field, never a
+/// tier that misbehaves later.
 #[test]
 fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
     let refused = |f: &dyn Fn(&mut HostedConfig)| {
@@ -706,7 +707,6 @@ fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
     type Set<'a> = &'a dyn Fn(&mut HostedConfig);
     let cases: [(Set<'_>, &str); 8] = [
         (&|c| c.tier.capacity_blocks = 0, "tier.capacity_blocks"),
-        (&|c| c.tier.policy = PolicyKind::Reuse, "tier.policy"),
         (
             &|c| c.tier.max_outstanding_stores = 0,
             "tier.max_outstanding_stores",
@@ -724,7 +724,14 @@ fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
             &|c| c.health.probe_interval_steps = 0,
             "health.probe_interval_steps",
         ),
-        (&|c| c.wait_deadline = Some(0), "wait_deadline"),
+        (
+            &|c| c.tier.capacity_blocks = u32::MAX,
+            "tier.capacity_blocks",
+        ),
+        (
+            &|c| c.tier.admission = Admission::Victim { lookahead: 0 },
+            "tier.admission",
+        ),
     ];
     for (set, field) in cases {
         assert_eq!(refused(set), field);
@@ -736,9 +743,12 @@ fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
         panic!("accepted")
     };
     assert!(e.to_string().contains("victim tier"), "{e}");
-    // And the edges that are valid are taken.
-    let mut c = HostedConfig::new(TierConfig::new(TierKind::Shared, 1));
-    c.wait_deadline = Some(1);
-    c.tier.policy = PolicyKind::Arc;
-    assert!(HostedTier::new(c).is_ok());
+    // And the edges that are valid are taken: the host's touches feed the reuse-aware LRU,
+    // and a deadline of 0 makes a busy block a Miss once the clock moves.
+    for policy in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse] {
+        let mut c = HostedConfig::new(TierConfig::new(TierKind::Shared, 1));
+        c.wait_deadline = Some(0);
+        c.tier.policy = policy;
+        assert!(HostedTier::new(c).is_ok(), "{policy:?}");
+    }
 }
