@@ -166,6 +166,14 @@ impl Shared {
         Ok(r)
     }
 
+    /// Whether the region is attached (the next [`Shared::region`] returns at once).
+    fn attached(&self) -> bool {
+        self.region
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
     fn run(&self, job: &Job) -> Result<u64, String> {
         if self.stopping.load(Ordering::Relaxed) {
             return Err("the handler was dropped before the job ran".into());
@@ -525,17 +533,20 @@ impl Worker {
             seal,
             submitted: Instant::now(),
         };
-        // A GPU handler's first job attaches the region, which may wait (up to
+        // A GPU handler's first job that copies attaches the region, which may wait (up to
         // `attach_timeout_s`) for the scheduler to create it: without the GIL, so that the
         // worker's other Python threads run meanwhile, and before the sender's lock (which
-        // `shutdown` takes holding the GIL). Attached once, this is a lookup.
+        // `shutdown` takes holding the GIL). Once attached, the GIL is kept.
+        let moves_bytes = !(store && job.copies.is_empty());
         let attached = match &self.gpu {
             Some(_)
-                if self
-                    .jobs
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .is_some() =>
+                if moves_bytes
+                    && !self.shared.attached()
+                    && self
+                        .jobs
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .is_some() =>
             {
                 Some(py.detach(|| self.shared.region()))
             }
