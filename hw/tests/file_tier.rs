@@ -328,13 +328,14 @@ fn a_record_dropped_at_a_verifying_open_never_shadows_a_later_write() {
             f.read_exact_at(&mut head, at).unwrap();
             assert_eq!(head, [0u8; 48], "the header at {at} is cleared");
         }
-        // Stored again, acknowledged durable under the default `Batch` policy.
+        // Stored again: a process that dies (`abandon`) keeps what it wrote, under any policy
+        // (the default, `None`, here).
         s.put(&k, &[5u8; ONE]).unwrap();
         s.abandon(); // another crash
     }
     let s = FileStore::open_with(dir.path(), ONE, SIX, opts(false)).unwrap();
     let mut out = vec![0u8; ONE];
     s.get(&k, &mut out)
-        .expect("the block acknowledged durable is served after the crash");
+        .expect("the block stored again before the crash is served after it");
     assert_eq!(out, vec![5u8; ONE]);
 }

@@ -45,9 +45,11 @@
 //! its sequence number is higher. With no checkpoint of that session (it crashed before its
 //! first store, or while writing one), opening reads every record header. A record whose
 //! header does not verify (torn by a crash, corrupted on disk) is dropped and counted in
-//! [`OpenReport::corrupt`], and its header is cleared and synced (whatever the policy: the
-//! torn copy may have hidden an older one of its key, which the open then serves) so no later
-//! open finds it again; the next sequence number is above
+//! [`OpenReport::corrupt`], and so, at an open with [`FileOptions::verify_at_open`], is one
+//! whose payload does not; the header of each is cleared and synced, whatever the policy, so
+//! no later open finds it again (a torn payload behind a valid header may have hidden an older
+//! copy of its key, which the open then serves: a crash that undid the clearing would bring
+//! the torn copy, newer, back over it); the next sequence number is above
 //! that of every header that verified, dropped records included; every read checks that the header names the key and the sequence
 //! number the index holds, so a record holding another write is never served. Either way the payload is verified by every read (★1):
 //! a payload torn behind a valid header is found at its first read, fails that read (never
@@ -153,10 +155,10 @@ pub enum FsyncPolicy {
     /// Never sync while open; the OS writes back when it decides (with `O_DIRECT`, as the
     /// write returns, but the device may still hold it in a volatile cache). Acknowledged
     /// durable: the blocks held when the tier is closed (dropped) cleanly, and those an open
-    /// after a crash found (what it repaired is synced before it serves). A process that dies
-    /// loses nothing (its writes reached the device, or the page cache); a power loss may
-    /// lose any block stored since the tier was opened, and never serves one wrong. The
-    /// default: a cache tier's blocks can always be recomputed, and a sync per job bounds
+    /// after a power loss served (what it repaired is synced before it serves). A process
+    /// that dies loses nothing (its writes reached the device, or the page cache); a power
+    /// loss may lose any block stored since the tier was opened, and never serves one wrong.
+    /// The default: a cache tier's blocks can always be recomputed, and a sync per job bounds
     /// small blocks' cascades (vLLM's file tier does not sync either).
     #[default]
     None,
