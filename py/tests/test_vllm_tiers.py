@@ -207,6 +207,27 @@ def test_same_answers_and_bytes_as_vllms_fs_tier_on_the_same_calls(vllm, tmp_pat
             theirs.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "reuse"])
+def test_every_documented_eviction_policy_is_taken_and_serves_its_blocks(vllm, tmp_path, policy):
+    """The module's docs list ``lru``, ``arc`` and ``reuse`` for a tier under vLLM's manager;
+    each builds a tier that serves back, byte for byte, a prompt the primary no longer holds."""
+    e = Engine(vllm, file_tier(tmp_path / "k", blocks=32, eviction_policy=policy))
+    try:
+        assert e.manager.config_info()[1]["eviction_policy"] == policy
+        first = [key(1), key(2), key(3)]
+        e.store(first)
+        for p in range(2, 8):  # push the first prompt out of the primary's 8 rows
+            e.store([key(100 * p + b) for b in range(3)])
+        answers, loaded = e.fetch(first)
+        assert answers == ["HIT"] * 3
+        assert e.tier.stats()["blocks_loaded"] > 0, "blocks came back from the tier"
+        for k in first:
+            assert loaded[k] == content(k).tobytes()
+        e.tier.check_invariants()
+    finally:
+        e.shutdown()
+
+
 def test_the_tier_keeps_its_bound_where_vllms_fs_tier_grows(vllm, tmp_path):
     ours = Engine(vllm, file_tier(tmp_path / "k", blocks=6, eviction_policy="lru"))
     theirs = Engine(vllm, {"type": "fs", "root_dir": str(tmp_path / "fs")})
