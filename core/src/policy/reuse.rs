@@ -173,6 +173,10 @@ struct Horizon {
     counts: Vec<u32>,
     /// Their sum.
     total: u32,
+    /// The bucket the percentile was last found in, and the counts below it (kept as gaps
+    /// are counted, so that finding the percentile again moves from there, not from 0).
+    at: usize,
+    below_at: u32,
     /// Idle ticks past which an entry is expired (`u64::MAX`: none yet, or beyond the
     /// histogram).
     ticks_past: u64,
@@ -221,6 +225,8 @@ impl Horizon {
                 Vec::new()
             },
             total: 0,
+            at: 0,
+            below_at: 0,
             ticks_past: u64::MAX,
         }
     }
@@ -249,31 +255,38 @@ impl Horizon {
     /// upper end of the bucket of the [`HORIZON_PERCENTILE`]th percentile once `min_gaps`
     /// are counted (none while it is the last bucket).
     fn count(&mut self, gap: u64) {
-        self.counts[gap_bucket(gap)] += 1;
+        let g = gap_bucket(gap);
+        self.counts[g] += 1;
         self.total += 1;
+        if g < self.at {
+            self.below_at += 1;
+        }
         if self.total == HORIZON_HALVE_AT {
             for c in &mut self.counts {
                 *c /= 2;
             }
             self.total = self.counts.iter().sum();
+            self.below_at = self.counts[..self.at].iter().sum();
         }
         if self.total < self.min_gaps {
             return;
         }
+        // The percentile's bucket: the first whose counts up to and including it pass
+        // `below`. Each gap moves `below` and the counts by one, so the bucket moves little:
+        // down while the counts below it pass `below`, up while its own do not.
         let below = u64::from(self.total) * HORIZON_PERCENTILE / 100;
-        let mut seen = 0;
-        let b = self
-            .counts
-            .iter()
-            .position(|&c| {
-                seen += u64::from(c);
-                seen > below
-            })
-            .unwrap_or(GAP_OVERFLOW);
-        self.ticks_past = if b >= GAP_OVERFLOW {
+        while self.at > 0 && u64::from(self.below_at) > below {
+            self.at -= 1;
+            self.below_at -= self.counts[self.at];
+        }
+        while self.at < GAP_OVERFLOW && u64::from(self.below_at + self.counts[self.at]) <= below {
+            self.below_at += self.counts[self.at];
+            self.at += 1;
+        }
+        self.ticks_past = if self.at >= GAP_OVERFLOW {
             u64::MAX
         } else {
-            bucket_end(b)
+            bucket_end(self.at)
         };
     }
 }
@@ -1322,6 +1335,59 @@ mod tests {
         h.walked(&k(unsampled), 1);
         h.walked(&k(unsampled), 2);
         assert_eq!((h.total, h.walks.len()), (0, 0));
+    }
+
+    /// U10: the percentile found from where it was last is the one a scan of every bucket
+    /// finds, gap after gap: over gaps spread across the histogram, a shift of the workload
+    /// to longer and then shorter gaps, and the halvings at `HORIZON_HALVE_AT`.
+    #[test]
+    fn u10_the_percentile_kept_as_gaps_come_is_the_scanned_one() {
+        let scanned = |h: &Horizon| {
+            let below = u64::from(h.total) * HORIZON_PERCENTILE / 100;
+            let mut seen = 0;
+            let b = h
+                .counts
+                .iter()
+                .position(|&c| {
+                    seen += u64::from(c);
+                    seen > below
+                })
+                .unwrap_or(GAP_OVERFLOW);
+            if b >= GAP_OVERFLOW {
+                u64::MAX
+            } else {
+                bucket_end(b)
+            }
+        };
+        for min_gaps in [1, 7, 128] {
+            let mut h = Horizon::new(
+                4,
+                Some(ReturnHorizon {
+                    sample: 1,
+                    min_gaps,
+                }),
+            );
+            let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+            let mut checked = 0;
+            for n in 0..3 * HORIZON_HALVE_AT {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Three phases: gaps up to 2^12, then up to 2^40 (past the histogram's end at
+                // times), then up to 2^6.
+                let bits = match n / HORIZON_HALVE_AT {
+                    0 => 12,
+                    1 => 40,
+                    _ => 6,
+                };
+                h.count(1 + (x >> (64 - bits)));
+                if h.total >= h.min_gaps {
+                    assert_eq!(h.ticks_past, scanned(&h), "gap {n}");
+                    checked += 1;
+                }
+            }
+            assert!(checked > 2 * HORIZON_HALVE_AT, "{checked}");
+        }
     }
 
     /// U10: a horizon made from values `Config::validate` refuses still samples at a power
