@@ -19,11 +19,12 @@ proptest! {
 
 /// The scenarios reach the states that matter: crashes in the middle of an operation, under
 /// every policy, with blocks acknowledged durable, records torn at the header (dropped at
-/// open) and behind a valid header (failed at their first read), reopened from a checkpoint.
+/// open) and behind a valid header (failed at their first read), reopened from a checkpoint,
+/// a process death followed by a power loss.
 #[test]
 fn the_scenarios_reach_torn_records_under_every_policy() {
     let (mut mid, mut durable, mut dropped, mut torn, mut checkpoint) = (0, 0, 0, 0, 0);
-    let (mut verified, mut twice, mut verified_twice) = (0, 0, 0);
+    let (mut verified, mut twice, mut verified_twice, mut died) = (0, 0, 0, 0);
     let mut policies = std::collections::BTreeSet::new();
     for seed in 0..400 {
         let run = kvtier_hw::crash::run_seed(seed).unwrap_or_else(|v| panic!("seed {seed}: {v}"));
@@ -35,6 +36,7 @@ fn the_scenarios_reach_torn_records_under_every_policy() {
         verified += usize::from(run.verified_at_open);
         twice += usize::from(run.crashed_twice);
         verified_twice += usize::from(run.verified_at_open && run.crashed_twice);
+        died += usize::from(run.process_died);
         policies.insert(format!("{}", run.policy));
     }
     assert_eq!(policies.len(), 3, "{policies:?}");
@@ -54,6 +56,10 @@ fn the_scenarios_reach_torn_records_under_every_policy() {
     assert!(
         verified_twice > 20,
         "{verified_twice} runs crashed again after a verifying reopen"
+    );
+    assert!(
+        died > 40,
+        "{died} runs ended with a process death, then a power loss"
     );
 }
 

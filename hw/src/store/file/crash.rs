@@ -56,6 +56,10 @@ pub struct CrashRun {
     /// Whether the reopened tier did more work and crashed again (and was checked after
     /// both crashes).
     pub crashed_twice: bool,
+    /// Whether the scenario ended with a process death (the tier reopened from the page
+    /// cache, everything it served before checked) and then a power loss (what that open
+    /// served checked again).
+    pub process_died: bool,
 }
 
 /// A broken promise.
@@ -222,6 +226,7 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
         from_checkpoint: store.open_report().from_checkpoint,
         verified_at_open: verify_at_open,
         crashed_twice: false,
+        process_died: false,
     };
     check_after_crash(&store, &m, block, policy, long)?;
     outcome.torn_reads = store.corrupt_reads();
@@ -260,6 +265,38 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
         check_after_crash(&store, &m, block, policy, long)?;
         outcome.torn_reads += store.corrupt_reads();
         (store, again, m)
+    } else {
+        (store, after, m)
+    };
+    // A last phase, chosen by bytes read after all the others (so that an input written
+    // before it existed, reading 0 past its end, skips it): the process dies with the power
+    // on, the tier reopens from what the page cache holds, and then the power goes out.
+    let (store, after, m) = if byte() % 2 == 1 {
+        let verify_at_open = byte() % 2 == 1;
+        let tear_seed = u64::from_le_bytes(std::array::from_fn(|_| byte()));
+        // What it serves before the process dies: a process that dies loses none of it.
+        let m = settle(&store, &m, block, long)?;
+        after.crash_now();
+        drop(store);
+        let alive = after.after_process_death();
+        let opened = FileOptions {
+            verify_at_open,
+            ..reopened.clone()
+        };
+        let store = FileStore::open_in(&alive, block, cap(records), opened.clone())
+            .map_err(|e| Violation::Reopen(format!("after the process died: {e}")))?;
+        check_after_crash(&store, &m, block, FsyncPolicy::None, long)?;
+        // What that open serves is acknowledged durable: a power loss now keeps it.
+        let m = settle(&store, &m, block, long)?;
+        alive.crash_now();
+        drop(store);
+        let mut rng = SmallRng::seed_from_u64(tear_seed);
+        let lost_power = alive.after_crash(tear, &mut || rng.random());
+        let store = FileStore::open_in(&lost_power, block, cap(records), opened)
+            .map_err(|e| Violation::Reopen(format!("after a power loss: {e}")))?;
+        check_after_crash(&store, &m, block, policy, long)?;
+        outcome.process_died = true;
+        (store, lost_power, m)
     } else {
         (store, after, m)
     };

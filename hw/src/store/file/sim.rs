@@ -264,6 +264,18 @@ impl SimDir {
                 }
             })
             .collect();
+        self.restarted(inodes, names.clone(), names, Vec::new())
+    }
+
+    /// A directory of these files and names, as a restarted machine or process finds it:
+    /// nothing crashes, nothing is locked, no count has started.
+    fn restarted(
+        &self,
+        inodes: Vec<Inode>,
+        names: BTreeMap<String, usize>,
+        durable_names: BTreeMap<String, usize>,
+        dir_log: Vec<DirOp>,
+    ) -> SimDir {
         SimDir {
             path: self.path.clone(),
             sector: self.sector,
@@ -272,9 +284,9 @@ impl SimDir {
                 crash_at: u64::MAX,
                 crashed: false,
                 inodes,
-                durable_names: names.clone(),
                 names,
-                dir_log: Vec::new(),
+                durable_names,
+                dir_log,
                 locked: false,
                 reads: 0,
                 syncs: 0,
@@ -282,6 +294,29 @@ impl SimDir {
                 failing_sync: None,
             })),
         }
+    }
+
+    /// The directory a process death now leaves, the power on: every write and name change
+    /// is seen (the page cache holds them) and none is the more durable for it: what was not
+    /// synced stays unsynced, for a later power loss to tear. The lock is released.
+    pub(crate) fn after_process_death(&self) -> SimDir {
+        let s = lock(&self.state);
+        let inodes = s
+            .inodes
+            .iter()
+            .map(|ino| Inode {
+                data: ino.data.clone(),
+                durable: ino.durable.clone(),
+                unsynced: ino.unsynced.clone(),
+                synced: 0,
+            })
+            .collect();
+        self.restarted(
+            inodes,
+            s.names.clone(),
+            s.durable_names.clone(),
+            s.dir_log.clone(),
+        )
     }
 
     /// Names in the directory now.
