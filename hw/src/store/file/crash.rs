@@ -285,7 +285,7 @@ pub fn run(data: &[u8]) -> Result<CrashRun, Violation> {
         };
         let store = FileStore::open_in(&alive, block, cap(records), opened.clone())
             .map_err(|e| Violation::Reopen(format!("after the process died: {e}")))?;
-        check_after_crash(&store, &m, block, FsyncPolicy::None, long)?;
+        check_after_crash(&store, &m, block, policy, long)?;
         // What that open serves is acknowledged durable: a power loss now keeps it.
         let m = settle(&store, &m, block, long)?;
         alive.crash_now();
