@@ -249,6 +249,7 @@ impl Manager {
                 promotions_missing: 0,
                 promotions_refused: 0,
                 evictions: 0,
+                evictions_past_horizon: 0,
                 load_pins: 0,
                 job_pins: 0,
                 jobs_outstanding: 0,
@@ -312,6 +313,7 @@ impl Manager {
         let mut s = self.stats.clone();
         s.step = self.step;
         s.stores_skipped = self.primary.stores_skipped();
+        s.evictions_past_horizon = self.primary.evicted_past_horizon();
         s.jobs_outstanding = self.jobs.len() as u64;
         s.tiers = self
             .tiers

@@ -247,6 +247,8 @@ pub struct Primary {
     /// Reused by `promote`: the slot of one promotion.
     promoted: Vec<SlotId>,
     stores_skipped: u64,
+    /// Entries the policies replaced by `reset` evicted past the return horizon (U10).
+    evicted_past_horizon_before: u64,
     /// Ready blocks with no pin (vLLM's evictable chunks).
     evictable: u32,
     /// Pending or Promoting blocks (vLLM's write-pending chunks).
@@ -351,6 +353,7 @@ impl Primary {
             victims: Vec::new(),
             promoted: Vec::new(),
             stores_skipped: 0,
+            evicted_past_horizon_before: 0,
             evictable: 0,
             writing: 0,
             window: Window::default(),
@@ -371,6 +374,7 @@ impl Primary {
         self.index.clear();
         self.next_fresh = 0;
         self.free.clear();
+        self.evicted_past_horizon_before += self.policy.evicted_past_horizon();
         self.policy = Policy::with_horizon(kind, n, self.horizon);
         if let Policy::Lru(lru) = &mut self.policy {
             lru.reserve_runs(RESERVED_RUNS);
@@ -424,6 +428,12 @@ impl Primary {
     /// Offered keys the reuse filter left out of stores (P17), since the start.
     pub fn stores_skipped(&self) -> u64 {
         self.stores_skipped
+    }
+
+    /// Blocks evicted while idle past the reuse-aware LRU's return horizon (U10), since the
+    /// start; 0 under the other policies.
+    pub fn evicted_past_horizon(&self) -> u64 {
+        self.evicted_past_horizon_before + self.policy.evicted_past_horizon()
     }
 
     /// Number of live requests (started and not finished).

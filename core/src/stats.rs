@@ -96,6 +96,9 @@ pub struct Stats {
     pub promotions_refused: u64,
     /// Blocks evicted from the primary.
     pub evictions: u64,
+    /// Of those, blocks evicted while idle past the reuse-aware LRU's return horizon (U10):
+    /// 0 under the other policies.
+    pub evictions_past_horizon: u64,
     /// Load pins outstanding (taken by `prepare_load`).
     pub load_pins: u64,
     /// Cascade pins outstanding (one per block per store job).

@@ -12,15 +12,16 @@
 //!   holds another block; a lookup never answers Hit for a block whose data was not fully
 //!   written into its slot; refused calls change nothing; from every state, ending every
 //!   outstanding job and the step settles (no Pending, Promoting, cascade pins or jobs left).
-//! - sometimes: a promotion completes; an eviction happens; a tier goes Down and comes back.
+//! - sometimes: a promotion completes; an eviction happens; a tier goes Down and comes back;
+//!   with the reuse-aware LRU's return horizon, a block idle past it is evicted.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{Hash, Hasher};
 
 use kvtier_core::{
     Admission, BlockState, Config, Effect, EntryState, EventKind, Job, JobId, JobKind, JobResult,
-    Key, Lookup, Manager, Medium, Outcome, PolicyKind, RequestId, SlotId, TierConfig, TierId,
-    TierKind,
+    Key, Lookup, Manager, Medium, Outcome, PolicyKind, RequestId, ReturnHorizon, SlotId,
+    TierConfig, TierId, TierKind,
 };
 use stateright::{Model, Property};
 
@@ -74,6 +75,19 @@ impl TieringModel {
         // (an exploration to depth 11 ran out of 24 GB); the differential harness and the
         // fuzzer check U10.
         m.config.return_horizon = None;
+        m
+    }
+
+    /// As [`TieringModel::ci_reuse`] with U10 on: every key sampled and a horizon from the
+    /// first return gap, so that the horizon forms, moves and expires entries within a few
+    /// calls. The idle ages grow with the clock and few states are alike, so it is explored
+    /// to a shallower bound than U1–U9.
+    pub fn ci_reuse_horizon() -> Self {
+        let mut m = Self::ci_reuse();
+        m.config.return_horizon = Some(ReturnHorizon {
+            sample: 1,
+            min_gaps: 1,
+        });
         m
     }
 
@@ -724,6 +738,12 @@ impl Model for TieringModel {
             all.push(Property::sometimes(
                 "a request gives up waiting",
                 |_, s: &ModelState| s.core.stats().wait_timeouts > 0,
+            ));
+        }
+        if self.config.policy == PolicyKind::Reuse && self.config.return_horizon.is_some() {
+            all.push(Property::sometimes(
+                "a block idle past the return horizon is evicted",
+                |_, s: &ModelState| s.core.stats().evictions_past_horizon > 0,
             ));
         }
         match self.only {

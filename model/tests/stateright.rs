@@ -65,6 +65,27 @@ fn reuse_policy_configuration_to_a_depth_bound() {
     explore_to_depth(TieringModel::ci_reuse(), REUSE_DEPTH, "reuse-aware LRU");
 }
 
+/// Depth of [`TieringModel::ci_reuse_horizon`]'s exploration in CI.
+const HORIZON_DEPTH: usize = 8;
+
+/// U10: the reuse-aware LRU with its return horizon formed from the first gap.
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "minutes in a release build: scripts/test.sh runs it with --release"
+)]
+fn reuse_policy_with_its_return_horizon_to_a_depth_bound() {
+    let depth = std::env::var("KVTIER_HORIZON_DEPTH")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(HORIZON_DEPTH);
+    explore_to_depth(
+        TieringModel::ci_reuse_horizon(),
+        depth,
+        "reuse-aware LRU with U10",
+    );
+}
+
 /// Depth of [`TieringModel::ci_deadline`]'s exploration in CI.
 const DEADLINE_DEPTH: usize = 9;
 

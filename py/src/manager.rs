@@ -543,6 +543,7 @@ pub(crate) fn core_stats<'py>(
     d.set_item("misses", s.misses)?;
     d.set_item("retries", s.retries)?;
     d.set_item("evictions", s.evictions)?;
+    d.set_item("evictions_past_horizon", s.evictions_past_horizon)?;
     d.set_item("promotions_started", s.promotions_started)?;
     d.set_item("promotions_refused", s.promotions_refused)?;
     d.set_item("promotions_failed", s.promotions_failed)?;

@@ -153,6 +153,15 @@ impl Policy {
         }
     }
 
+    /// Entries evicted while idle past the reuse-aware LRU's return horizon (U10) since the
+    /// policy was made; 0 for the others.
+    pub fn evicted_past_horizon(&self) -> u64 {
+        match self {
+            Policy::Reuse(r) => r.evicted_past_horizon(),
+            Policy::Lru(_) | Policy::Arc(_) => 0,
+        }
+    }
+
     /// Writes the recency order to `out`, naming each id with `name` (which appends the
     /// name to the buffer it is given): the policy's whole
     /// behaviour-relevant state, independent of which ids were used.

@@ -144,6 +144,8 @@ pub struct ReusePolicy {
     recent: Recent,
     /// The workload's return horizon (U10).
     horizon: Horizon,
+    /// Entries evicted while idle past the horizon (U10), since the policy was made.
+    evicted_past_horizon: u64,
 }
 
 /// An entry's due time (U4, U9) and the clock when it was placed (U10): read together when
@@ -568,7 +570,14 @@ impl ReusePolicy {
             ghost: Ghost::new(GHOST_GENERATION_CAPACITIES * capacity),
             recent: Recent::new(capacity),
             horizon: Horizon::new(capacity, horizon),
+            evicted_past_horizon: 0,
         }
+    }
+
+    /// Entries evicted while idle past the return horizon (U10), since the policy was made:
+    /// blocks U10 let go before their due time, or that were due anyway.
+    pub fn evicted_past_horizon(&self) -> u64 {
+        self.evicted_past_horizon
     }
 
     /// U9: an inserted key was a recent victim of `class`: that class's bonus lengthens by a
@@ -815,6 +824,10 @@ impl EvictionPolicy for ReusePolicy {
 
     fn evict(&mut self, id: u32, key: &Key) {
         if let Some(class) = self.lists.remove(id) {
+            let idle = self.clock - self.times[id as usize].last;
+            if idle > self.horizon.ticks_past {
+                self.evicted_past_horizon += 1;
+            }
             self.recent.push(key, class); // U9
             self.ghost.push(key); // U6
         }
@@ -1457,6 +1470,33 @@ mod tests {
         let mut out = Vec::new();
         p.select(1, &mut |id| id != 1, &mut out);
         assert_eq!(out, [0], "an ineligible expired entry is passed over");
+        p.check().unwrap();
+    }
+
+    /// U10: an eviction counts in `evicted_past_horizon` only when the victim has been idle
+    /// for longer than the horizon, whichever order chose it.
+    #[test]
+    fn u10_evictions_past_the_horizon_are_counted() {
+        let never = ReturnHorizon {
+            sample: 1 << 31,
+            min_gaps: 1,
+        };
+        let mut p = ReusePolicy::with_horizon(4, Some(never));
+        for id in 0..3 {
+            p.insert(id, &k(id as u8));
+        }
+        finish(&mut p, &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)]);
+        p.clock = 10;
+        p.evict(0, &k(0));
+        assert_eq!(p.evicted_past_horizon(), 0, "no horizon yet");
+        p.horizon.count(4);
+        assert_eq!(p.horizon.ticks_past, 4);
+        // The walk went tail first: 2 placed at tick 1, 1 at tick 2.
+        p.clock = 6;
+        p.evict(1, &k(1)); // idle 4
+        assert_eq!(p.evicted_past_horizon(), 0, "idle as long as the horizon");
+        p.evict(2, &k(2)); // idle 5
+        assert_eq!(p.evicted_past_horizon(), 1);
         p.check().unwrap();
     }
 }
