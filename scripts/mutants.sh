@@ -109,6 +109,7 @@ no_return_horizon|differential|after op
 arc_no_fallback|oracle|prepare_store: core
 arc_no_fallback|walk|evictable
 no_hold|hosted|G1
+hosted_reads_not_learned|hosted|the block read back was evicted
 skip_seal_check|pytest:test_multiprocess.py|unsealed
 no_store_positions|pytest:test_differential.py|prepare_store
 sglang_count_pending|hicache:test_sglang.py::test_a_corrupt_page_on_disk_is_never_served|the leading run stops

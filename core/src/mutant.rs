@@ -28,6 +28,7 @@ pub const NAMES: &[&str] = &[
     "missing_is_failure",
     "no_deadline",
     "no_hold",
+    "hosted_reads_not_learned",
     "no_tier_learning",
     "write_ahead_unready",
     "victims_not_refreshed",

@@ -1,4 +1,4 @@
-//! A tier under another manager (`HostedTier`, rules G1–G15 of `docs/state-machine.md`), one
+//! A tier under another manager (`HostedTier`, rules G1–G17 of `docs/state-machine.md`), one
 //! test per rule, and a seeded walk that checks I13 and "every host job ends exactly once".
 
 mod common;
@@ -10,7 +10,7 @@ use common::Rng;
 use kvtier_core::{
     Admission, ConfigError, Effect, Error, EventKind, Health, HealthConfig, HostedConfig,
     HostedLookup, HostedResult, HostedTier, JobId, JobKind, JobResult, Key, Outcome, PolicyKind,
-    SlotId, TierConfig, TierKind,
+    RequestId, SlotId, TierConfig, TierKind,
 };
 
 fn k(i: u8) -> Key {
@@ -192,6 +192,103 @@ fn g5_eviction_deletes_before_the_store_that_needs_the_room() {
         .filter(|e| e.kind == EventKind::Removed)
         .collect();
     assert_eq!(removed.len(), 1);
+}
+
+/// Whether the tier holds `key` (without a lookup, which would hold it, G1).
+fn holds(t: &HostedTier, key: u8) -> bool {
+    t.index().state_of(&k(key)).is_some()
+}
+
+/// Ends job `job` with `outcome` and returns its one result.
+fn ended(t: &mut HostedTier, job: u64, outcome: Outcome) -> HostedResult {
+    t.handle_job_result(JobResult {
+        job: JobId(job),
+        outcome,
+    })
+    .unwrap();
+    let mut done = t.take_finished();
+    assert_eq!(done.len(), 1, "one result per job");
+    done.pop().unwrap()
+}
+
+/// G16, G17: under every policy, a block a request read back is learned when the request
+/// ends: the next store evicts a block stored after it and never read, not it.
+#[test]
+fn g17_a_finished_requests_reads_update_the_tiers_recency() {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse] {
+        let mut t = with(TierKind::Authoritative, 2, |c| c.tier.policy = policy);
+        stored(&mut t, 1, &[0, 1]);
+        t.submit_load_for(JobId(2), RequestId(7), &blocks(&[0]))
+            .unwrap();
+        effects(&mut t);
+        assert!(ended(&mut t, 2, Outcome::Ok).success);
+        t.request_finished(RequestId(7));
+        t.check_invariants().unwrap();
+        stored(&mut t, 3, &[2]);
+        assert!(holds(&t, 0), "{policy:?}: the block read back was evicted");
+        assert!(!holds(&t, 1), "{policy:?}");
+        t.check_invariants().unwrap();
+    }
+}
+
+/// G16, G17: until the request ends, its reads teach the tier nothing (insertion order,
+/// as under a host that never touches); a load for no request never teaches it.
+#[test]
+fn g17_reads_are_learned_at_the_requests_end_and_only_for_a_request() {
+    let mut t = tier(TierKind::Authoritative, 2);
+    stored(&mut t, 1, &[0, 1]);
+    t.submit_load_for(JobId(2), RequestId(7), &blocks(&[0]))
+        .unwrap();
+    effects(&mut t);
+    ended(&mut t, 2, Outcome::Ok);
+    stored(&mut t, 3, &[2]);
+    assert!(
+        !holds(&t, 0) && holds(&t, 1),
+        "learned before the request ended"
+    );
+    t.request_finished(RequestId(7)); // 0 is gone: nothing to learn
+    t.check_invariants().unwrap();
+
+    let mut t = tier(TierKind::Authoritative, 2);
+    stored(&mut t, 1, &[0, 1]);
+    t.submit_load(JobId(2), &blocks(&[0])).unwrap();
+    effects(&mut t);
+    ended(&mut t, 2, Outcome::Ok);
+    t.request_finished(RequestId(7)); // loaded nothing for it
+    stored(&mut t, 3, &[2]);
+    assert!(
+        !holds(&t, 0) && holds(&t, 1),
+        "a load for no request taught the tier"
+    );
+    t.check_invariants().unwrap();
+}
+
+/// G17: a request that ends while its load is still in flight is learned when that load
+/// ends, with what it read; a block whose read failed is not learned (G8 drops it).
+#[test]
+fn g17_a_request_ended_before_its_load_is_learned_when_the_load_ends() {
+    let mut t = tier(TierKind::Authoritative, 3);
+    stored(&mut t, 1, &[0, 1, 2]);
+    t.submit_load_for(JobId(2), RequestId(7), &blocks(&[0, 1]))
+        .unwrap();
+    effects(&mut t);
+    t.request_finished(RequestId(7));
+    t.check_invariants().unwrap();
+    let r = ended(
+        &mut t,
+        2,
+        Outcome::Partial {
+            succeeded: vec![k(0)],
+            missing: vec![],
+        },
+    );
+    assert_eq!(r.blocks, 1);
+    assert!(!holds(&t, 1), "G8: a failed read drops the block");
+    t.check_invariants().unwrap();
+    // 0 was learned: 2, stored after it and never read, goes first.
+    stored(&mut t, 3, &[3, 4]);
+    assert!(holds(&t, 0) && !holds(&t, 2));
+    t.check_invariants().unwrap();
 }
 
 #[test]
@@ -591,7 +688,12 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
                     .unwrap();
                 }
                 4 => {
-                    t.touch(&[k(rng.below(8) as u8)]);
+                    if rng.below(2) == 0 {
+                        t.touch(&[k(rng.below(8) as u8)]);
+                    } else {
+                        // G17: a request ends, perhaps with its loads in flight.
+                        t.request_finished(RequestId(rng.below(4)));
+                    }
                     clock += rng.below(4);
                     t.set_clock(clock);
                 }
@@ -610,7 +712,12 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
                             .iter()
                             .filter(|(k, _)| !failed_reads.contains(k))
                             .count();
-                        t.submit_load(JobId(next_job), &keys).unwrap();
+                        // G16: for one of four requests, or (one in five) for none.
+                        match rng.below(5) {
+                            0 => t.submit_load(JobId(next_job), &keys),
+                            r => t.submit_load_for(JobId(next_job), RequestId(r - 1), &keys),
+                        }
+                        .unwrap();
                         submitted.insert(next_job, false);
                         let mut submitted_load = None;
                         while let Some(e) = t.poll_effect() {
@@ -681,6 +788,14 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
             "seed {seed}: a job never ended"
         );
         assert_eq!(t.in_flight(), 0);
+        for r in 0..4 {
+            t.request_finished(RequestId(r));
+        }
+        assert_eq!(
+            t.requests_open(),
+            0,
+            "seed {seed}: G17: a request's reads kept"
+        );
         assert_eq!(
             t.health(),
             Health::Up,
@@ -691,9 +806,9 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
 }
 
 /// A hosted tier's configuration is checked as a secondary tier's is in `Config::validate`
-/// (but for the reuse-aware LRU, which the host's touches feed), and a victim admission (V1–V4
-/// need kvtier's `Manager`) is refused too: each is a typed error naming its field, never a
-/// tier that misbehaves later.
+/// (but for the reuse-aware LRU, which the host's touches and its requests' reads feed), and
+/// a victim admission (V1–V4 need kvtier's `Manager`) is refused too: each is a typed error
+/// naming its field, never a tier that misbehaves later.
 #[test]
 fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
     let refused = |f: &dyn Fn(&mut HostedConfig)| {

@@ -165,11 +165,32 @@ impl HostedTier {
         live(&mut d)?.submit_store(job, &blocks).map_err(errors::hw)
     }
 
-    /// G6: load job `job` reads `keys` into the primary chunks `chunks`.
-    fn submit_load(&self, job: u64, keys: &Bound<'_, PyAny>, chunks: Vec<i64>) -> PyResult<()> {
+    /// G6, G16: load job `job` reads `keys` into the primary chunks `chunks`, for the
+    /// request numbered `request` (its reads are learned when it ends, G17) or for none.
+    #[pyo3(signature = (job, keys, chunks, request=None))]
+    fn submit_load(
+        &self,
+        job: u64,
+        keys: &Bound<'_, PyAny>,
+        chunks: Vec<i64>,
+        request: Option<u64>,
+    ) -> PyResult<()> {
         let blocks = blocks(keys, chunks)?;
         let mut d = lock(&self.driver);
-        live(&mut d)?.submit_load(job, &blocks).map_err(errors::hw)
+        let d = live(&mut d)?;
+        match request {
+            Some(r) => d.submit_load_for(job, r, &blocks),
+            None => d.submit_load(job, &blocks),
+        }
+        .map_err(errors::hw)
+    }
+
+    /// G17: the request numbered `request` finished: the tier learns what its loads read.
+    /// After shutdown there is nothing to learn, and nothing happens.
+    fn request_finished(&self, request: u64) {
+        if let Some(d) = lock(&self.driver).as_mut() {
+            d.request_finished(request);
+        }
     }
 
     /// The jobs that ended since the last call: `(job, success, succeeded keys or None,

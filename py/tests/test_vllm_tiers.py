@@ -228,6 +228,34 @@ def test_every_documented_eviction_policy_is_taken_and_serves_its_blocks(vllm, t
         e.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "reuse"])
+def test_a_block_read_back_outlives_one_never_read_though_vllm_never_touches(
+    vllm, tmp_path, policy
+):
+    """G16, G17: vLLM 0.33's manager never calls ``touch``; a block a request read back from
+    the tier is learned when that request finishes, so the full tier evicts a block stored
+    after it and never read, not it. Without the rule, insertion order evicts it first."""
+    e = Engine(vllm, file_tier(tmp_path / "k", blocks=6, eviction_policy=policy), chunks=2)
+    try:
+        capacity = e.tier.config_info()["capacity_blocks"]
+        for i in range(capacity):  # the tier full, key(0) stored first
+            e.store([key(i)])
+        assert e.tier.stats()["evictions"] == 0
+        answers, loaded = e.fetch([key(0)])  # the primary's 2 rows lost it: read back
+        assert answers == ["HIT"] and loaded[key(0)] == content(key(0)).tobytes()
+        assert e.tier.stats()["blocks_loaded"] == 1
+        e.store([key(1000)])  # one eviction in the tier
+        assert e.tier.stats()["evictions"] == 1
+        LR = vllm.base.LookupResult
+        ctx = e.request()
+        assert e.tier.lookup(key(0), ctx) is LR.HIT, "the block read back was evicted"
+        assert e.tier.lookup(key(1), ctx) is LR.MISS
+        e.step()
+        e.tier.check_invariants()
+    finally:
+        e.shutdown()
+
+
 def test_the_tier_keeps_its_bound_where_vllms_fs_tier_grows(vllm, tmp_path):
     ours = Engine(vllm, file_tier(tmp_path / "k", blocks=6, eviction_policy="lru"))
     theirs = Engine(vllm, {"type": "fs", "root_dir": str(tmp_path / "fs")})

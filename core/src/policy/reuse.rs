@@ -1485,7 +1485,10 @@ mod tests {
         for id in 0..3 {
             p.insert(id, &k(id as u8));
         }
-        finish(&mut p, &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)]);
+        finish(
+            &mut p,
+            &[(0, Use::Inserted), (1, Use::Inserted), (2, Use::Inserted)],
+        );
         p.clock = 10;
         p.evict(0, &k(0));
         assert_eq!(p.evicted_past_horizon(), 0, "no horizon yet");

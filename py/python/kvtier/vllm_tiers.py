@@ -33,7 +33,7 @@ All also take:
 - ``shutdown_timeout_s`` (30): how long ``shutdown`` waits for running jobs. After that it
   leaves them to end alone and keeps vLLM's primary memory mapped for the process's life;
 - vLLM's ``locality`` and ``enable_kv_events``. The decisions (what the tier holds, what it evicts,
-which reads start) are kvtier's core's (rules G1-G15 of ``docs/state-machine.md``); the IO
+which reads start) are kvtier's core's (rules G1-G17 of ``docs/state-machine.md``); the IO
 runs on kvtier's threads, never on the scheduler's.
 
 This module needs vLLM 0.33 or later (``vllm.v1.kv_offload.tiering``).
@@ -191,6 +191,11 @@ class _KvtierTier(SecondaryTierManager):
         # Jobs refused by the tier (never started): they end failed at the next poll, so
         # vLLM's manager still gets exactly one result for each.
         self._refused: list[JobResult] = []
+        # Each request that loaded from the tier, by number until vLLM says it finished: what
+        # its loads read is then learned by the tier's eviction policy (G16, G17), since vLLM
+        # 0.33 never calls ``touch``.
+        self._requests: dict[str, int] = {}
+        self._next_request = 0
         _log.info(
             "kvtier %s tier %s: %d blocks of %d bytes",
             self._store,
@@ -205,12 +210,13 @@ class _KvtierTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return _ANSWERS[self._native.lookup(key)]
 
-    def _submit(self, submit: Any, job_metadata: TransferJob) -> None:
+    def _submit(self, submit: Any, job_metadata: TransferJob, *args: Any) -> None:
         try:
             submit(
                 job_metadata.job_id,
                 list(job_metadata.keys),
                 np.asarray(job_metadata.chunk_ids).tolist(),
+                *args,
             )
         except StateError as e:
             # A job id in use, a block or slot named twice, a slot another job is using:
@@ -222,7 +228,17 @@ class _KvtierTier(SecondaryTierManager):
         self._submit(self._native.submit_store, job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit(self._native.submit_load, job_metadata)
+        req_id = job_metadata.req_context.req_id
+        request = self._requests.get(req_id)
+        if request is None:
+            request = self._requests[req_id] = self._next_request
+            self._next_request += 1
+        self._submit(self._native.submit_load, job_metadata, request)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        request = self._requests.pop(req_context.req_id, None)
+        if request is not None:
+            self._native.request_finished(request)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         refused, self._refused = self._refused, []
