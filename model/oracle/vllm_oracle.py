@@ -257,6 +257,39 @@ def _field(msg: dict, name: str, kind=None, default=...):
     return value
 
 
+def offloading_config(
+    vllm, extra, *, worker_bytes=8192, world=1, rank=0, bpc=1, events=True,
+    model="test/model", tp=None, pp=1, engine_id="engine-0", replicated=False,
+    max_model_len=4096,
+):
+    """An ``OffloadingConfig`` as vLLM's connector builds it for one KV cache group of
+    16-token blocks (``py/tests`` and ``py/bench`` build their specs from it)."""
+    from vllm.v1.kv_offload import config as c
+
+    return c.OffloadingConfig(
+        groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=worker_bytes,
+        enable_kv_cache_events=events,
+        replicated_layout=replicated,
+        extra_config=extra,
+        engine_id=engine_id,
+        model=c.OffloadingModelConfig(name=model, dtype="bfloat16", max_model_len=max_model_len),
+        cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
+        parallel=c.OffloadingParallelConfig(
+            rank=rank,
+            world_size=world,
+            tp_size=world if tp is None else tp,
+            pp_size=pp,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
 class _MemoryRegion:
     """In-memory stand-in for the primary tier's SharedOffloadRegion (scheduler side)."""
 

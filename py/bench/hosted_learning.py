@@ -1,0 +1,214 @@
+"""A kvtier file tier under vLLM 0.33's own tiering manager: the hit ratio with and without
+the tier learning from what it is read (rules G16, G17 of ``docs/state-machine.md``).
+
+vLLM 0.33's ``TieringOffloadingManager`` never calls ``touch`` on its tiers. Without G17 a
+secondary tier's recency comes from its stores alone; with it, the blocks a request's loads
+read are learned when vLLM calls ``on_request_finished``. This replays a Mooncake-format
+trace through vLLM's manager, its CPU primary tier (vLLM's LRU) and a ``KvtierFileTier``
+(each ``--policy``), once with the tier as shipped (``learns``) and once with its
+``on_request_finished`` doing nothing else than forget the request (``forgets``), which is
+the tier before G17.
+
+The call sequence is ``model/oracle/replay.py``'s (vLLM 0.33's scheduler for a request
+prefilled in one step): lookups from the first key to the first MISS, a deferral (the step
+ends, the lookups run again) while any answers RETRY or HIT_PENDING, loads of the hits,
+stores of the rest, the request's end and the step's end. The tier's IO runs on its threads;
+a deferral waits a millisecond for it. Every store and promotion is written and read on a
+real file in ``--dir`` (default: a temporary directory).
+
+The overall hit ratio is the blocks finally hit (from the primary, or promoted from the tier
+and then hit) over the blocks looked up; "promoted" counts the tier's loaded blocks.
+
+Needs the vLLM oracle install (``scripts/vllm-oracle-setup.sh``) and kvtier installed in the
+running Python (``pip install ./py``).
+
+Usage: hosted_learning.py TRACE [--fraction 0.05] [--tier-fraction 0.25]
+    [--policy lru,arc,reuse] [--dir DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "model" / "oracle"))
+
+import replay  # noqa: E402
+import vllm_oracle  # noqa: E402
+
+ROW = 4096
+MAX_DEFERRALS = 10_000
+
+
+class _Region:
+    """The primary's memory, as vLLM's ``SharedOffloadRegion`` hands it to its tiers."""
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def create_kv_memoryview(self):
+        return memoryview(self.memory)
+
+    def cleanup(self):
+        pass
+
+
+def build(vllm, chunks: int, table: dict, learns: bool):
+    """vLLM's tiering manager over its CPU primary of ``chunks`` rows and the tier ``table``
+    describes; with ``learns`` false the tier's ``on_request_finished`` only forgets."""
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.manager import (
+        CPUPrimaryTierOffloadingManager,
+        TieringOffloadingManager,
+    )
+
+    class Spec(OffloadingSpec):
+        def get_manager(self):
+            raise NotImplementedError
+
+        def get_worker(self, kv_caches):
+            raise NotImplementedError
+
+    extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [table]}
+    spec = Spec(
+        vllm_oracle.offloading_config(
+            vllm, extra, worker_bytes=ROW, events=False, model="bench/model",
+            max_model_len=1 << 20,
+        )
+    )
+    mapping = mmap.mmap(-1, chunks * ROW)
+    import numpy as np
+
+    memory = np.frombuffer(mapping, dtype=np.uint8).reshape(chunks, ROW)
+    primary = CPUPrimaryTierOffloadingManager(
+        num_chunks=chunks, mmap_region=_Region(memory), enable_events=False
+    )
+    tier = SecondaryTierFactory.create_secondary_tier(table, primary.get_kv_memoryview(), spec)
+    if not learns:
+        requests = tier._requests
+        tier.on_request_finished = lambda ctx: requests.pop(ctx.req_id, None)
+    manager = TieringOffloadingManager(primary, [tier], tier_poll_interval_s=0)
+    return manager, tier, mapping
+
+
+def run(vllm, requests: list[list[bytes]], chunks: int, table: dict, learns: bool) -> dict:
+    """Replays ``requests``; returns the blocks looked up and hit, and the tier's figures."""
+    m, tier, mapping = build(vllm, chunks, table, learns)
+    LR = vllm.LookupResult
+    end = vllm.ScheduleEndContext
+    totals = {"blocks": 0, "hits": 0, "deferrals": 0}
+    started = time.perf_counter()
+    try:
+        for n, keys in enumerate(requests):
+            ctx = vllm.ReqContext(req_id=f"req-{n}")
+            with m.lock:
+                m.on_new_request(ctx)
+                for index, k in enumerate(keys):
+                    ctx.set_offload_key_position(k, (index + 1) * 16)
+            new_req_ids = [ctx.req_id]
+            for _ in range(MAX_DEFERRALS):
+                hits, deferred = 0, False
+                with m.lock:
+                    for k in keys:
+                        result = m.lookup(k, ctx)
+                        if result is LR.MISS:
+                            break
+                        hits += 1
+                        deferred |= result is not LR.HIT
+                if not deferred:
+                    break
+                totals["deferrals"] += 1
+                with m.lock:
+                    m.on_schedule_end(end(new_req_ids=[], preempted_req_ids=[]))
+                time.sleep(0.001)
+            else:
+                raise RuntimeError(f"request {n}: lookups still deferred")
+            with m.lock:
+                loaded, rest = keys[:hits], keys[hits:]
+                if loaded:
+                    m.prepare_load(loaded, ctx)
+                    m.on_schedule_end(end(new_req_ids=new_req_ids, preempted_req_ids=[]))
+                    new_req_ids = []
+                    m.complete_load(loaded, ctx)
+                if rest:
+                    out = m.prepare_store(rest, ctx)
+                    m.on_schedule_end(end(new_req_ids=new_req_ids, preempted_req_ids=[]))
+                    new_req_ids = []
+                    if out is not None and out.keys_to_store:
+                        m.complete_store(out.keys_to_store, ctx)
+                m.on_request_finished(ctx)
+                m.on_schedule_end(end(new_req_ids=new_req_ids, preempted_req_ids=[]))
+            totals["blocks"] += len(keys)
+            totals["hits"] += hits
+        stats = tier.stats()
+        totals["promoted"] = stats["blocks_loaded"]
+        totals["tier_evictions"] = stats["evictions"]
+        totals["tier_blocks"] = tier.config_info()["capacity_blocks"]
+        totals["seconds"] = round(time.perf_counter() - started, 1)
+        tier.check_invariants()
+    finally:
+        m.shutdown()
+        del mapping  # vLLM and the tier keep views of it until they are collected
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace")
+    p.add_argument("--fraction", type=float, default=0.05, help="primary, of distinct blocks")
+    p.add_argument("--tier-fraction", type=float, default=0.25, help="tier, of distinct blocks")
+    p.add_argument("--policy", default="lru,arc,reuse", help="the tier's eviction policies")
+    p.add_argument("--dir", help="where the tiers' files go (default: a temporary directory)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = p.parse_args(argv)
+
+    vllm = vllm_oracle.load_vllm()
+    requests = replay.request_keys(vllm, replay.read_trace(args.trace))
+    distinct = len({k for keys in requests for k in keys})
+    chunks = max(1, int(args.fraction * distinct))
+    tier_blocks = max(1, int(args.tier_fraction * distinct))
+    if not args.json:
+        print(
+            f"{args.trace}: {len(requests)} requests, {distinct} distinct blocks; primary "
+            f"{chunks} (vLLM's LRU), file tier {tier_blocks} blocks"
+        )
+        print("| tier policy | tier | overall hit ratio | promoted | tier evictions | tier blocks | s |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        for policy in args.policy.split(","):
+            for learns in (False, True):
+                # A record takes a header page besides its row.
+                table = {
+                    "type": "KvtierFileTier",
+                    "module_path": "kvtier.vllm_tiers",
+                    "path": os.path.join(d, f"{policy}-{learns}"),
+                    "capacity_bytes": tier_blocks * 2 * ROW,
+                    "eviction_policy": policy,
+                    "fsync": "none",
+                }
+                t = run(vllm, requests, chunks, table, learns)
+                label = "learns" if learns else "forgets"
+                ratio = t["hits"] / t["blocks"]
+                if args.json:
+                    print(json.dumps({"policy": policy, "tier": label, "ratio": ratio, **t}))
+                else:
+                    print(
+                        f"| {policy} | {label} | {ratio:.4f} | {t['promoted']:,} | "
+                        f"{t['tier_evictions']:,} | {t['tier_blocks']:,} | {t['seconds']} |",
+                        flush=True,
+                    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
