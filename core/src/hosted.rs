@@ -1,4 +1,4 @@
-//! One secondary tier driven by another engine's tiering manager (rules G1–G17).
+//! One secondary tier driven by another engine's tiering manager (rules G1–G16).
 //!
 //! vLLM 0.33's `TieringOffloadingSpec` owns the primary tier and calls each secondary tier
 //! through its `SecondaryTierManager` interface. [`HostedTier`] is a kvtier tier index (T1–T15)
@@ -43,6 +43,10 @@ pub struct HostedConfig {
     /// How long (in the clock's units) a block may answer `Retry` before it answers `Miss`
     /// (G11); `None`: for as long as its write or probe runs.
     pub wait_deadline: Option<u64>,
+    /// G16: the blocks a load read update the tier's recency when it ends, as a `touch` of
+    /// them would (the default). A host such as vLLM 0.33 never touches its tiers, so without
+    /// it the tier's recency is its stores' alone; `false` gives that, for measurements.
+    pub learn_reads: bool,
 }
 
 impl HostedConfig {
@@ -52,12 +56,13 @@ impl HostedConfig {
             tier,
             health: HealthConfig::default(),
             wait_deadline: None,
+            learn_reads: true,
         }
     }
 
     /// Checks the values as [`Config::validate`](crate::Config::validate) checks a
     /// secondary tier's (the fields named `tier.…`; the reuse-aware LRU is taken, fed by the
-    /// host's touches) and the health thresholds; besides, the tier's admission must be
+    /// blocks loads read, G16, and the host's touches) and the health thresholds; besides, the tier's admission must be
     /// [`Admission::Cascade`]: the host's manager decides what the tier is written, and a
     /// victim tier (V1–V4) needs kvtier's `Manager`. Any `wait_deadline` is taken (0: a busy
     /// block answers `Miss` once its clock has moved on).
@@ -148,29 +153,16 @@ enum HostJob {
         keys: Vec<Key>,
         /// Per key, the entry being read, or `None` if it failed at once (G6).
         reads: Vec<Option<u32>>,
-        /// The request it loads for (G16), whose end teaches the tier what it read (G17).
-        request: Option<RequestId>,
         /// The primary slots it writes.
         slots: Vec<SlotId>,
     },
-}
-
-/// G16, G17: what one request read from the tier, kept until it ends.
-#[derive(Clone, Debug, Default)]
-struct RequestReads {
-    /// The blocks its loads read, in the order the host named them, load after load.
-    keys: Vec<Key>,
-    /// Its load jobs not yet ended.
-    loads: u32,
-    /// The host said the request finished; the reads are learned when its last load ends.
-    finished: bool,
 }
 
 /// The tier's own job ids (probes, health checks) have the top bit set; host job ids must
 /// not.
 const OWN_BIT: u64 = 1 << 63;
 
-/// One secondary tier under a host's tiering manager (G1–G17). See `docs/state-machine.md`.
+/// One secondary tier under a host's tiering manager (G1–G16). See `docs/state-machine.md`.
 #[derive(Clone, Debug)]
 pub struct HostedTier {
     index: TierIndex,
@@ -194,8 +186,6 @@ pub struct HostedTier {
     health: Health,
     failures: u32,
     health_job: Option<JobId>,
-    /// G16, G17: per request that loaded from the tier, what it read and what it still loads.
-    requests: BTreeMap<RequestId, RequestReads>,
     effects: VecDeque<Effect>,
     finished: VecDeque<HostedResult>,
     events: Vec<Event>,
@@ -223,7 +213,6 @@ impl HostedTier {
             health: Health::Up,
             failures: 0,
             health_job: None,
-            requests: BTreeMap::new(),
             effects: VecDeque::new(),
             finished: VecDeque::new(),
             events: Vec::new(),
@@ -448,62 +437,8 @@ impl HostedTier {
     }
 
     /// G6, G12, G15: the host loads `blocks` (key, primary slot) from the tier into its
-    /// primary, for no request in particular: what it reads teaches the tier nothing (as
-    /// [`HostedTier::submit_load_for`] does).
+    /// primary.
     pub fn submit_load(&mut self, job: JobId, blocks: &[(Key, SlotId)]) -> Result<(), Error> {
-        self.load(job, None, blocks)
-    }
-
-    /// G6, G16: as [`HostedTier::submit_load`], the load of `request`: the blocks it reads
-    /// update the tier's recency when the request ends ([`HostedTier::request_finished`],
-    /// G17), as a host's `touch` of them would.
-    pub fn submit_load_for(
-        &mut self,
-        job: JobId,
-        request: RequestId,
-        blocks: &[(Key, SlotId)],
-    ) -> Result<(), Error> {
-        self.load(job, Some(request), blocks)
-    }
-
-    /// G17: the host says `request` finished: the blocks its loads read are touched, in the
-    /// order they were read, as T12 (the first ends most recent), once its last load has
-    /// ended; a request that loaded nothing changes nothing.
-    pub fn request_finished(&mut self, request: RequestId) {
-        let Some(r) = self.requests.get_mut(&request) else {
-            return;
-        };
-        r.finished = true;
-        if r.loads == 0 {
-            self.learn(request);
-        }
-        self.debug_check();
-    }
-
-    /// Requests whose reads the tier keeps until they end (G16): each is dropped at its
-    /// [`HostedTier::request_finished`] or, if a load is still in flight then, at that
-    /// load's end. A host that never says a request finished keeps its record.
-    pub fn requests_open(&self) -> usize {
-        self.requests.len()
-    }
-
-    /// G17: `request` ended and its loads too: the tier learns what it read.
-    fn learn(&mut self, request: RequestId) {
-        let Some(r) = self.requests.remove(&request) else {
-            return;
-        };
-        if crate::mutant::active("hosted_reads_not_learned") {
-            return;
-        }
-        self.index.touch(&r.keys);
-    }
-
-    fn load(
-        &mut self,
-        job: JobId,
-        request: Option<RequestId>,
-        blocks: &[(Key, SlotId)],
-    ) -> Result<(), Error> {
         self.admit(job, blocks, true)?;
         self.stats.load_jobs += 1;
         let mut reads = Vec::with_capacity(blocks.len());
@@ -531,23 +466,12 @@ impl HostedTier {
         let keys: Vec<Key> = blocks.iter().map(|(k, _)| k.clone()).collect();
         let slots: Vec<SlotId> = transfers.iter().map(|t| t.slot).collect();
         self.loading.extend(slots.iter().copied());
-        if let Some(req) = request {
-            self.requests.entry(req).or_default().loads += 1; // G16
-        }
-        self.jobs.insert(
-            job,
-            HostJob::Load {
-                keys,
-                reads,
-                slots,
-                request,
-            },
-        );
+        self.jobs.insert(job, HostJob::Load { keys, reads, slots });
         self.effects.push_back(Effect::Submit(Job {
             id: job,
             tier: TierId(0),
             kind: JobKind::Load {
-                request: request.unwrap_or(RequestId(0)),
+                request: RequestId(0),
                 blocks: transfers.into(),
             },
         }));
@@ -687,12 +611,7 @@ impl HostedTier {
                     load: false,
                 }
             }
-            HostJob::Load {
-                keys,
-                reads,
-                slots,
-                request,
-            } => {
+            HostJob::Load { keys, reads, slots } => {
                 for s in &slots {
                     self.loading.remove(s);
                 }
@@ -716,15 +635,16 @@ impl HostedTier {
                 }
                 self.stats.blocks_loaded += read.len() as u64;
                 self.count_health(failed);
-                // G16, G17: the request's reads, learned at its end.
-                if let Some(req) = request
-                    && let Some(r) = self.requests.get_mut(&req)
-                {
-                    r.keys.extend(read.iter().cloned());
-                    r.loads -= 1;
-                    if r.finished && r.loads == 0 {
-                        self.learn(req);
-                    }
+                // G16: what was read is used, whether or not the host ever touches.
+                if self.config.learn_reads && !crate::mutant::active("hosted_reads_not_learned") {
+                    let still: Vec<Key> = read
+                        .iter()
+                        .filter(|k| {
+                            matches!(self.index.state_of(k), Some(EntryState::Present { .. }))
+                        })
+                        .cloned()
+                        .collect();
+                    self.index.touch(&still);
                 }
                 let blocks = read.len() as u32;
                 let success = read.len() == keys.len();
@@ -836,7 +756,6 @@ impl HostedTier {
         let mut want_readers: BTreeMap<&Key, u32> = BTreeMap::new();
         let mut want_loading = BTreeSet::new();
         let mut want_storing: BTreeMap<SlotId, u32> = BTreeMap::new();
-        let mut want_loads: BTreeMap<RequestId, u32> = BTreeMap::new();
         for job in self.jobs.values() {
             match job {
                 HostJob::Store { keys, slots, .. } => {
@@ -845,15 +764,7 @@ impl HostedTier {
                         *want_storing.entry(*s).or_default() += 1;
                     }
                 }
-                HostJob::Load {
-                    keys,
-                    reads,
-                    slots,
-                    request,
-                } => {
-                    if let Some(req) = request {
-                        *want_loads.entry(*req).or_default() += 1;
-                    }
+                HostJob::Load { keys, reads, slots } => {
                     want_loading.extend(slots.iter().copied());
                     for (k, r) in keys.iter().zip(reads) {
                         if r.is_some() {
@@ -863,27 +774,6 @@ impl HostedTier {
                 }
             }
         }
-        // G16, G17: a request's record counts its loads in flight, and one that finished
-        // with none left has been learned and dropped.
-        for (req, r) in &self.requests {
-            ensure!(
-                want_loads.get(req).copied().unwrap_or(0) == r.loads,
-                "I13",
-                "request {req:?} counts {} loads in flight, the jobs {:?}",
-                r.loads,
-                want_loads.get(req)
-            );
-            ensure!(
-                !(r.finished && r.loads == 0),
-                "I13",
-                "request {req:?} finished with no load in flight and was not learned"
-            );
-        }
-        ensure!(
-            want_loads.keys().all(|req| self.requests.contains_key(req)),
-            "I13",
-            "a load in flight for a request with no record"
-        );
         for &id in &self.holds {
             let key = self.index.key_of(id);
             ensure!(key.is_some(), "I13", "a held entry {id} is gone");

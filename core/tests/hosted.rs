@@ -1,4 +1,4 @@
-//! A tier under another manager (`HostedTier`, rules G1–G17 of `docs/state-machine.md`), one
+//! A tier under another manager (`HostedTier`, rules G1–G16 of `docs/state-machine.md`), one
 //! test per rule, and a seeded walk that checks I13 and "every host job ends exactly once".
 
 mod common;
@@ -10,7 +10,7 @@ use common::Rng;
 use kvtier_core::{
     Admission, ConfigError, Effect, Error, EventKind, Health, HealthConfig, HostedConfig,
     HostedLookup, HostedResult, HostedTier, JobId, JobKind, JobResult, Key, Outcome, PolicyKind,
-    RequestId, SlotId, TierConfig, TierKind,
+    SlotId, TierConfig, TierKind,
 };
 
 fn k(i: u8) -> Key {
@@ -199,8 +199,10 @@ fn holds(t: &HostedTier, key: u8) -> bool {
     t.index().state_of(&k(key)).is_some()
 }
 
-/// Ends job `job` with `outcome` and returns its one result.
-fn ended(t: &mut HostedTier, job: u64, outcome: Outcome) -> HostedResult {
+/// Loads `keys` as job `job`, ends it with `outcome` and returns its one result.
+fn loaded(t: &mut HostedTier, job: u64, keys: &[u8], outcome: Outcome) -> HostedResult {
+    t.submit_load(JobId(job), &blocks(keys)).unwrap();
+    effects(t);
     t.handle_job_result(JobResult {
         job: JobId(job),
         outcome,
@@ -211,84 +213,68 @@ fn ended(t: &mut HostedTier, job: u64, outcome: Outcome) -> HostedResult {
     done.pop().unwrap()
 }
 
-/// G16, G17: under every policy, a block a request read back is learned when the request
-/// ends: the next store evicts a block stored after it and never read, not it.
-#[test]
-fn g17_a_finished_requests_reads_update_the_tiers_recency() {
-    for policy in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse] {
-        let mut t = with(TierKind::Authoritative, 2, |c| c.tier.policy = policy);
-        stored(&mut t, 1, &[0, 1]);
-        t.submit_load_for(JobId(2), RequestId(7), &blocks(&[0]))
-            .unwrap();
-        effects(&mut t);
-        assert!(ended(&mut t, 2, Outcome::Ok).success);
-        t.request_finished(RequestId(7));
-        t.check_invariants().unwrap();
-        stored(&mut t, 3, &[2]);
-        assert!(holds(&t, 0), "{policy:?}: the block read back was evicted");
-        assert!(!holds(&t, 1), "{policy:?}");
-        t.check_invariants().unwrap();
-    }
-}
-
-/// G16, G17: until the request ends, its reads teach the tier nothing (insertion order,
-/// as under a host that never touches); a load for no request never teaches it.
-#[test]
-fn g17_reads_are_learned_at_the_requests_end_and_only_for_a_request() {
-    let mut t = tier(TierKind::Authoritative, 2);
+/// G16 under `policy`: a full tier of 0 then 1; 0 is read back; the next store evicts 1,
+/// stored after 0 and never read, not 0. (Without G16 a host that never touches, as vLLM
+/// 0.33, leaves the tier its stores' order, and 0 goes first.)
+fn a_block_read_back_outlives_one_never_read(policy: PolicyKind) {
+    let mut t = with(TierKind::Authoritative, 2, |c| c.tier.policy = policy);
     stored(&mut t, 1, &[0, 1]);
-    t.submit_load_for(JobId(2), RequestId(7), &blocks(&[0]))
-        .unwrap();
-    effects(&mut t);
-    ended(&mut t, 2, Outcome::Ok);
-    stored(&mut t, 3, &[2]);
-    assert!(
-        !holds(&t, 0) && holds(&t, 1),
-        "learned before the request ended"
-    );
-    t.request_finished(RequestId(7)); // 0 is gone: nothing to learn
+    assert!(loaded(&mut t, 2, &[0], Outcome::Ok).success);
     t.check_invariants().unwrap();
-
-    let mut t = tier(TierKind::Authoritative, 2);
-    stored(&mut t, 1, &[0, 1]);
-    t.submit_load(JobId(2), &blocks(&[0])).unwrap();
-    effects(&mut t);
-    ended(&mut t, 2, Outcome::Ok);
-    t.request_finished(RequestId(7)); // loaded nothing for it
     stored(&mut t, 3, &[2]);
-    assert!(
-        !holds(&t, 0) && holds(&t, 1),
-        "a load for no request taught the tier"
-    );
+    assert!(holds(&t, 0), "{policy:?}: the block read back was evicted");
+    assert!(!holds(&t, 1), "{policy:?}");
     t.check_invariants().unwrap();
 }
 
-/// G17: a request that ends while its load is still in flight is learned when that load
-/// ends, with what it read; a block whose read failed is not learned (G8 drops it).
 #[test]
-fn g17_a_request_ended_before_its_load_is_learned_when_the_load_ends() {
+fn g16_a_block_read_back_outlives_one_never_read_under_lru() {
+    a_block_read_back_outlives_one_never_read(PolicyKind::Lru);
+}
+
+#[test]
+fn g16_a_block_read_back_outlives_one_never_read_under_arc() {
+    a_block_read_back_outlives_one_never_read(PolicyKind::Arc);
+}
+
+#[test]
+fn g16_a_block_read_back_outlives_one_never_read_under_the_reuse_aware_lru() {
+    a_block_read_back_outlives_one_never_read(PolicyKind::Reuse);
+}
+
+/// G16: a load's blocks are learned in the host's order, the first most recent (vLLM names
+/// a request's blocks head first); a block whose read failed is dropped, not learned (G8).
+#[test]
+fn g16_a_loads_first_block_ends_most_recent_and_a_failed_read_is_not_learned() {
     let mut t = tier(TierKind::Authoritative, 3);
     stored(&mut t, 1, &[0, 1, 2]);
-    t.submit_load_for(JobId(2), RequestId(7), &blocks(&[0, 1]))
-        .unwrap();
-    effects(&mut t);
-    t.request_finished(RequestId(7));
-    t.check_invariants().unwrap();
-    let r = ended(
-        &mut t,
-        2,
-        Outcome::Partial {
-            succeeded: vec![k(0)],
-            missing: vec![],
-        },
+    loaded(&mut t, 2, &[0, 1], Outcome::Ok);
+    stored(&mut t, 3, &[3]);
+    assert!(!holds(&t, 2), "2 was never read: it goes first");
+    stored(&mut t, 4, &[4]);
+    assert!(
+        holds(&t, 0) && !holds(&t, 1),
+        "1 was read before 0 in the walk back"
     );
+
+    let mut t = tier(TierKind::Authoritative, 3);
+    stored(&mut t, 1, &[0, 1, 2]);
+    let r = loaded(&mut t, 2, &[0, 1], Outcome::partial(vec![k(1)]));
     assert_eq!(r.blocks, 1);
-    assert!(!holds(&t, 1), "G8: a failed read drops the block");
+    assert!(!holds(&t, 0), "G8: a failed read drops its block");
+    stored(&mut t, 3, &[3, 4]); // one free row, then one eviction: 2, never read
+    assert!(holds(&t, 1) && !holds(&t, 2));
     t.check_invariants().unwrap();
-    // 0 was learned: 2, stored after it and never read, goes first.
-    stored(&mut t, 3, &[3, 4]);
-    assert!(holds(&t, 0) && !holds(&t, 2));
-    t.check_invariants().unwrap();
+}
+
+/// G16 off (`learn_reads: false`): the tier's recency is its stores' alone.
+#[test]
+fn g16_without_learning_the_stores_order_decides() {
+    let mut t = with(TierKind::Authoritative, 2, |c| c.learn_reads = false);
+    stored(&mut t, 1, &[0, 1]);
+    loaded(&mut t, 2, &[0], Outcome::Ok);
+    stored(&mut t, 3, &[2]);
+    assert!(!holds(&t, 0) && holds(&t, 1));
 }
 
 #[test]
@@ -688,12 +674,7 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
                     .unwrap();
                 }
                 4 => {
-                    if rng.below(2) == 0 {
-                        t.touch(&[k(rng.below(8) as u8)]);
-                    } else {
-                        // G17: a request ends, perhaps with its loads in flight.
-                        t.request_finished(RequestId(rng.below(4)));
-                    }
+                    t.touch(&[k(rng.below(8) as u8)]);
                     clock += rng.below(4);
                     t.set_clock(clock);
                 }
@@ -712,12 +693,7 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
                             .iter()
                             .filter(|(k, _)| !failed_reads.contains(k))
                             .count();
-                        // G16: for one of four requests, or (one in five) for none.
-                        match rng.below(5) {
-                            0 => t.submit_load(JobId(next_job), &keys),
-                            r => t.submit_load_for(JobId(next_job), RequestId(r - 1), &keys),
-                        }
-                        .unwrap();
+                        t.submit_load(JobId(next_job), &keys).unwrap();
                         submitted.insert(next_job, false);
                         let mut submitted_load = None;
                         while let Some(e) = t.poll_effect() {
@@ -788,14 +764,6 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
             "seed {seed}: a job never ended"
         );
         assert_eq!(t.in_flight(), 0);
-        for r in 0..4 {
-            t.request_finished(RequestId(r));
-        }
-        assert_eq!(
-            t.requests_open(),
-            0,
-            "seed {seed}: G17: a request's reads kept"
-        );
         assert_eq!(
             t.health(),
             Health::Up,
@@ -806,9 +774,9 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
 }
 
 /// A hosted tier's configuration is checked as a secondary tier's is in `Config::validate`
-/// (but for the reuse-aware LRU, which the host's touches and its requests' reads feed), and
-/// a victim admission (V1–V4 need kvtier's `Manager`) is refused too: each is a typed error
-/// naming its field, never a tier that misbehaves later.
+/// (but for the reuse-aware LRU, which the loads' reads and the host's touches feed), and a victim admission (V1–V4
+/// need kvtier's `Manager`) is refused too: each is a typed error naming its field, never a
+/// tier that misbehaves later.
 #[test]
 fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
     let refused = |f: &dyn Fn(&mut HostedConfig)| {

@@ -1,5 +1,5 @@
 //! One kvtier store as a secondary tier of another engine's tiering manager: the core's
-//! [`HostedTier`] (rules G1–G17), the store's IO threads, and the host's primary memory.
+//! [`HostedTier`] (rules G1–G16), the store's IO threads, and the host's primary memory.
 //!
 //! vLLM 0.33's `TieringOffloadingSpec` hands each secondary tier a view of its primary tier's
 //! memory and names primary slots in each job; [`HostRows`] is that memory, and
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::{
     Effect, Event, Health, HostedConfig, HostedLookup, HostedStats, HostedTier, JobId, Key,
-    Outcome, RequestId, SlotId, TierId,
+    Outcome, SlotId, TierId,
 };
 
 use crate::engine::{Completion, Completions};
@@ -252,27 +252,6 @@ impl HostedDriver {
         self.core.submit_load(JobId(job), blocks)?;
         self.pump();
         Ok(())
-    }
-
-    /// G6, G16: as [`HostedDriver::submit_load`], the load of the host's request `request`,
-    /// whose reads the tier learns when the request ends ([`HostedDriver::request_finished`]).
-    pub fn submit_load_for(
-        &mut self,
-        job: u64,
-        request: u64,
-        blocks: &[(Key, SlotId)],
-    ) -> Result<(), HwError> {
-        self.core
-            .submit_load_for(JobId(job), RequestId(request), blocks)?;
-        self.pump();
-        Ok(())
-    }
-
-    /// G17: the host's request `request` finished: the tier learns what its loads read.
-    pub fn request_finished(&mut self, request: u64) {
-        self.collect();
-        self.core.request_finished(RequestId(request));
-        self.pump();
     }
 
     /// T12.

@@ -1,4 +1,4 @@
-//! A kvtier store under a host's tiering manager (`HostedDriver`, rules G1–G17): blocks move
+//! A kvtier store under a host's tiering manager (`HostedDriver`, rules G1–G16): blocks move
 //! between the host's primary memory and a real file tier, byte for byte; the tier stays
 //! within its bound; a reopened tier serves its blocks; a failed read is never a success.
 

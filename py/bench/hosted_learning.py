@@ -1,13 +1,12 @@
 """A kvtier file tier under vLLM 0.33's own tiering manager: the hit ratio with and without
-the tier learning from what it is read (rules G16, G17 of ``docs/state-machine.md``).
+the tier learning from what it is read (rule G16 of ``docs/state-machine.md``).
 
-vLLM 0.33's ``TieringOffloadingManager`` never calls ``touch`` on its tiers. Without G17 a
-secondary tier's recency comes from its stores alone; with it, the blocks a request's loads
-read are learned when vLLM calls ``on_request_finished``. This replays a Mooncake-format
-trace through vLLM's manager, its CPU primary tier (vLLM's LRU) and a ``KvtierFileTier``
-(each ``--policy``), once with the tier as shipped (``learns``) and once with its
-``on_request_finished`` doing nothing else than forget the request (``forgets``), which is
-the tier before G17.
+vLLM 0.33's ``TieringOffloadingManager`` never calls ``touch`` on its tiers. Without G16 a
+secondary tier's recency comes from its stores alone; with it, the blocks a load read become
+the tier's most recently used when the load ends. This replays a Mooncake-format trace
+through vLLM's manager, its CPU primary tier (vLLM's LRU) and a ``KvtierFileTier`` (each
+``--policy``), once as shipped (``learns``) and once with ``learn_reads: false``
+(``forgets``: the tier before G16).
 
 The call sequence is ``model/oracle/replay.py``'s (vLLM 0.33's scheduler for a request
 prefilled in one step): lookups from the first key to the first MISS, a deferral (the step
@@ -62,9 +61,9 @@ class _Region:
         pass
 
 
-def build(vllm, chunks: int, table: dict, learns: bool):
+def build(vllm, chunks: int, table: dict):
     """vLLM's tiering manager over its CPU primary of ``chunks`` rows and the tier ``table``
-    describes; with ``learns`` false the tier's ``on_request_finished`` only forgets."""
+    describes."""
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.manager import (
@@ -94,16 +93,13 @@ def build(vllm, chunks: int, table: dict, learns: bool):
         num_chunks=chunks, mmap_region=_Region(memory), enable_events=False
     )
     tier = SecondaryTierFactory.create_secondary_tier(table, primary.get_kv_memoryview(), spec)
-    if not learns:
-        requests = tier._requests
-        tier.on_request_finished = lambda ctx: requests.pop(ctx.req_id, None)
     manager = TieringOffloadingManager(primary, [tier], tier_poll_interval_s=0)
     return manager, tier, mapping
 
 
-def run(vllm, requests: list[list[bytes]], chunks: int, table: dict, learns: bool) -> dict:
+def run(vllm, requests: list[list[bytes]], chunks: int, table: dict) -> dict:
     """Replays ``requests``; returns the blocks looked up and hit, and the tier's figures."""
-    m, tier, mapping = build(vllm, chunks, table, learns)
+    m, tier, mapping = build(vllm, chunks, table)
     LR = vllm.LookupResult
     end = vllm.ScheduleEndContext
     totals = {"blocks": 0, "hits": 0, "deferrals": 0}
@@ -195,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                     "capacity_bytes": tier_blocks * 2 * ROW,
                     "eviction_policy": policy,
                     "fsync": "none",
+                    "learn_reads": learns,
                 }
-                t = run(vllm, requests, chunks, table, learns)
+                t = run(vllm, requests, chunks, table)
                 label = "learns" if learns else "forgets"
                 ratio = t["hits"] / t["blocks"]
                 if args.json:

@@ -78,10 +78,12 @@ impl HostedTier {
     /// `wait_deadline_ms`: a block answers "retry" (being written or probed) at most this
     /// long, then "miss" (`None`: for as long as its job runs). `failures_to_down` jobs that
     /// fail in a row make the tier Down (every lookup a miss) until a health probe, every
-    /// `probe_interval_steps` steps, finds it well.
+    /// `probe_interval_steps` steps, finds it well. `learn_reads`: the blocks a load read
+    /// update the tier's recency when it ends (G16; false: its stores alone).
     #[new]
     #[pyo3(signature = (address, length, row_bytes, tier, identity, io_threads = 4,
-        wait_deadline_ms = Some(5000), failures_to_down = 3, probe_interval_steps = 100))]
+        wait_deadline_ms = Some(5000), failures_to_down = 3, probe_interval_steps = 100,
+        learn_reads = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -94,6 +96,7 @@ impl HostedTier {
         wait_deadline_ms: Option<u64>,
         failures_to_down: u32,
         probe_interval_steps: u32,
+        learn_reads: bool,
     ) -> PyResult<Self> {
         if failures_to_down == 0 {
             return Err(errors::config("failures_to_down", "must be at least 1"));
@@ -124,6 +127,7 @@ impl HostedTier {
                 probe_interval_steps,
             },
             wait_deadline: wait_deadline_ms,
+            learn_reads,
         };
         let driver =
             HostedDriver::new(store, config, rows, io_threads.max(1)).map_err(errors::hw)?;
@@ -165,32 +169,11 @@ impl HostedTier {
         live(&mut d)?.submit_store(job, &blocks).map_err(errors::hw)
     }
 
-    /// G6, G16: load job `job` reads `keys` into the primary chunks `chunks`, for the
-    /// request numbered `request` (its reads are learned when it ends, G17) or for none.
-    #[pyo3(signature = (job, keys, chunks, request=None))]
-    fn submit_load(
-        &self,
-        job: u64,
-        keys: &Bound<'_, PyAny>,
-        chunks: Vec<i64>,
-        request: Option<u64>,
-    ) -> PyResult<()> {
+    /// G6: load job `job` reads `keys` into the primary chunks `chunks`.
+    fn submit_load(&self, job: u64, keys: &Bound<'_, PyAny>, chunks: Vec<i64>) -> PyResult<()> {
         let blocks = blocks(keys, chunks)?;
         let mut d = lock(&self.driver);
-        let d = live(&mut d)?;
-        match request {
-            Some(r) => d.submit_load_for(job, r, &blocks),
-            None => d.submit_load(job, &blocks),
-        }
-        .map_err(errors::hw)
-    }
-
-    /// G17: the request numbered `request` finished: the tier learns what its loads read.
-    /// After shutdown there is nothing to learn, and nothing happens.
-    fn request_finished(&self, request: u64) {
-        if let Some(d) = lock(&self.driver).as_mut() {
-            d.request_finished(request);
-        }
+        live(&mut d)?.submit_load(job, &blocks).map_err(errors::hw)
     }
 
     /// The jobs that ended since the last call: `(job, success, succeeded keys or None,

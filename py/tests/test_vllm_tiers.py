@@ -229,13 +229,19 @@ def test_every_documented_eviction_policy_is_taken_and_serves_its_blocks(vllm, t
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "reuse"])
+@pytest.mark.parametrize("learn_reads", [True, False])
 def test_a_block_read_back_outlives_one_never_read_though_vllm_never_touches(
-    vllm, tmp_path, policy
+    vllm, tmp_path, policy, learn_reads
 ):
-    """G16, G17: vLLM 0.33's manager never calls ``touch``; a block a request read back from
-    the tier is learned when that request finishes, so the full tier evicts a block stored
-    after it and never read, not it. Without the rule, insertion order evicts it first."""
-    e = Engine(vllm, file_tier(tmp_path / "k", blocks=6, eviction_policy=policy), chunks=2)
+    """G16: vLLM 0.33's manager never calls ``touch``; the blocks a promotion read become the
+    tier's most recent when it ends, so the full tier evicts a block stored after one read
+    back and never read, not it. With ``learn_reads: false`` the stores' order decides, and
+    the block read back goes first."""
+    e = Engine(
+        vllm,
+        file_tier(tmp_path / "k", blocks=6, eviction_policy=policy, learn_reads=learn_reads),
+        chunks=2,
+    )
     try:
         capacity = e.tier.config_info()["capacity_blocks"]
         for i in range(capacity):  # the tier full, key(0) stored first
@@ -248,8 +254,9 @@ def test_a_block_read_back_outlives_one_never_read_though_vllm_never_touches(
         assert e.tier.stats()["evictions"] == 1
         LR = vllm.base.LookupResult
         ctx = e.request()
-        assert e.tier.lookup(key(0), ctx) is LR.HIT, "the block read back was evicted"
-        assert e.tier.lookup(key(1), ctx) is LR.MISS
+        kept = (LR.HIT, LR.MISS) if learn_reads else (LR.MISS, LR.HIT)
+        assert e.tier.lookup(key(0), ctx) is kept[0], f"learn_reads={learn_reads}"
+        assert e.tier.lookup(key(1), ctx) is kept[1]
         e.step()
         e.tier.check_invariants()
     finally:
@@ -361,6 +368,8 @@ def test_bad_settings_are_config_errors_naming_the_key(vllm, tmp_path):
         Engine(vllm, file_tier(tmp_path / "k", color="red"))
     with pytest.raises(kvtier.ConfigError, match="eviction_policy"):
         Engine(vllm, file_tier(tmp_path / "k", eviction_policy="mru"))
+    with pytest.raises(kvtier.ConfigError, match="learn_reads"):
+        Engine(vllm, file_tier(tmp_path / "k", learn_reads="yes"))
 
 
 def test_events_and_metrics_through_vllms_manager(vllm, tmp_path):

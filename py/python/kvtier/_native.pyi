@@ -216,6 +216,7 @@ class HostedTier:
         wait_deadline_ms: int | None = 5000,
         failures_to_down: int = 3,
         probe_interval_steps: int = 100,
+        learn_reads: bool = True,
     ) -> HostedTier:
         """Opens the store ``tier`` describes over the host's ``length`` bytes at ``address``."""
 
@@ -233,19 +234,8 @@ class HostedTier:
     def submit_store(self, job: int, keys: Iterable[bytes], chunks: Sequence[int]) -> None:
         """Store job ``job`` writes ``keys`` from the primary chunks ``chunks``."""
 
-    def submit_load(
-        self,
-        job: int,
-        keys: Iterable[bytes],
-        chunks: Sequence[int],
-        request: int | None = None,
-    ) -> None:
-        """Load job ``job`` reads ``keys`` into the primary chunks ``chunks``, for the request
-        numbered ``request`` (what it reads is learned when that request finishes) or none."""
-
-    def request_finished(self, request: int) -> None:
-        """The request numbered ``request`` finished: the tier's eviction policy learns the
-        blocks its loads read, as a ``touch`` of them would. Nothing after shutdown."""
+    def submit_load(self, job: int, keys: Iterable[bytes], chunks: Sequence[int]) -> None:
+        """Load job ``job`` reads ``keys`` into the primary chunks ``chunks``."""
 
     def finished(self) -> list[tuple[int, bool, list[bytes] | None, int, float | None]]:
         """Jobs ended since the last call: ``(job, success, read_keys, bytes, seconds)``.

@@ -32,8 +32,11 @@ All also take:
   before it raises ``TierError``. It warns every 10 s while it waits;
 - ``shutdown_timeout_s`` (30): how long ``shutdown`` waits for running jobs. After that it
   leaves them to end alone and keeps vLLM's primary memory mapped for the process's life;
+- ``learn_reads`` (true): the blocks a promotion read become the tier's most recently used
+  when it ends, as a ``touch`` would (vLLM 0.33 never touches its tiers); false leaves the
+  tier's recency to its stores alone, for comparison;
 - vLLM's ``locality`` and ``enable_kv_events``. The decisions (what the tier holds, what it evicts,
-which reads start) are kvtier's core's (rules G1-G17 of ``docs/state-machine.md``); the IO
+which reads start) are kvtier's core's (rules G1-G16 of ``docs/state-machine.md``); the IO
 runs on kvtier's threads, never on the scheduler's.
 
 This module needs vLLM 0.33 or later (``vllm.v1.kv_offload.tiering``).
@@ -132,6 +135,7 @@ class _KvtierTier(SecondaryTierManager):
         probe_interval_steps: int = 100,
         drain_timeout_s: float | None = None,
         shutdown_timeout_s: float = 30.0,
+        learn_reads: bool = True,
         **settings: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -150,6 +154,8 @@ class _KvtierTier(SecondaryTierManager):
         failures_to_down = _count(tier_type, "failures_to_down", failures_to_down)
         probe_interval_steps = _count(tier_type, "probe_interval_steps", probe_interval_steps)
         wait = _seconds(tier_type, "hit_pending_timeout_s", hit_pending_timeout_s, none_ok=True)
+        if not isinstance(learn_reads, bool):
+            raise ConfigError(f"secondary tier {tier_type}.learn_reads: {learn_reads!r} is not a bool")
         self._drain_timeout = _seconds(
             tier_type, "drain_timeout_s", drain_timeout_s, none_ok=True
         )
@@ -182,6 +188,7 @@ class _KvtierTier(SecondaryTierManager):
                 None if wait is None else int(wait * 1000),
                 failures_to_down,
                 probe_interval_steps,
+                learn_reads,
             )
         except BaseException:
             self._buffer = None
@@ -191,11 +198,6 @@ class _KvtierTier(SecondaryTierManager):
         # Jobs refused by the tier (never started): they end failed at the next poll, so
         # vLLM's manager still gets exactly one result for each.
         self._refused: list[JobResult] = []
-        # Each request that loaded from the tier, by number until vLLM says it finished: what
-        # its loads read is then learned by the tier's eviction policy (G16, G17), since vLLM
-        # 0.33 never calls ``touch``.
-        self._requests: dict[str, int] = {}
-        self._next_request = 0
         _log.info(
             "kvtier %s tier %s: %d blocks of %d bytes",
             self._store,
@@ -210,13 +212,12 @@ class _KvtierTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return _ANSWERS[self._native.lookup(key)]
 
-    def _submit(self, submit: Any, job_metadata: TransferJob, *args: Any) -> None:
+    def _submit(self, submit: Any, job_metadata: TransferJob) -> None:
         try:
             submit(
                 job_metadata.job_id,
                 list(job_metadata.keys),
                 np.asarray(job_metadata.chunk_ids).tolist(),
-                *args,
             )
         except StateError as e:
             # A job id in use, a block or slot named twice, a slot another job is using:
@@ -228,17 +229,7 @@ class _KvtierTier(SecondaryTierManager):
         self._submit(self._native.submit_store, job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        req_id = job_metadata.req_context.req_id
-        request = self._requests.get(req_id)
-        if request is None:
-            request = self._requests[req_id] = self._next_request
-            self._next_request += 1
-        self._submit(self._native.submit_load, job_metadata, request)
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        request = self._requests.pop(req_context.req_id, None)
-        if request is not None:
-            self._native.request_finished(request)
+        self._submit(self._native.submit_load, job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         refused, self._refused = self._refused, []
