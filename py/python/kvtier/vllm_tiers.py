@@ -155,7 +155,9 @@ class _KvtierTier(SecondaryTierManager):
         probe_interval_steps = _count(tier_type, "probe_interval_steps", probe_interval_steps)
         wait = _seconds(tier_type, "hit_pending_timeout_s", hit_pending_timeout_s, none_ok=True)
         if not isinstance(learn_reads, bool):
-            raise ConfigError(f"secondary tier {tier_type}.learn_reads: {learn_reads!r} is not a bool")
+            raise ConfigError(
+                f"secondary tier {tier_type}.learn_reads: {learn_reads!r} is not a bool"
+            )
         self._drain_timeout = _seconds(
             tier_type, "drain_timeout_s", drain_timeout_s, none_ok=True
         )
