@@ -590,20 +590,23 @@ fn g15_a_block_whose_read_failed_while_held_is_never_served_again() {
     t.check_invariants().unwrap();
 }
 
-/// A host as vLLM's manager drives a tier: lookups, a promotion of each hit at the end of the
-/// step, stores of new blocks, jobs ending in any order with any outcome. Checked after every
-/// call: I13, one result per job, and that a load of a block answered `Hit` in the same step
-/// is always read (G1), never refused for lack of the block.
+/// A host as vLLM's manager drives a tier, under each policy: lookups, a promotion of each hit
+/// at the end of the step, stores of new blocks, jobs ending in any order with any outcome.
+/// Checked after every call: I13, one result per job, and that a load of a block answered
+/// `Hit` in the same step is always read (G1), never refused for lack of the block.
 #[test]
 fn a_random_host_never_loses_a_job_or_a_held_block() {
-    for seed in 1..=200u64 {
+    for seed in 1..=300u64 {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let kind = if seed % 3 == 0 {
             TierKind::Shared
         } else {
             TierKind::Authoritative
         };
+        // Each policy, since every load's reads now reach it (G16).
+        let policy = [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Reuse][(seed / 3 % 3) as usize];
         let mut t = with(kind, 2 + (seed % 4) as u32, |c| {
+            c.tier.policy = policy;
             c.wait_deadline = Some(5);
             c.health = HealthConfig {
                 failures_to_down: 3,
