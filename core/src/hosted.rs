@@ -64,8 +64,8 @@ impl HostedConfig {
     /// secondary tier's (the fields named `tier.…`; the reuse-aware LRU is taken, fed by the
     /// blocks loads read, G16, and the host's touches) and the health thresholds; besides,
     /// the tier's admission must be [`Admission::Cascade`]: the host's manager decides what
-    /// the tier is written, and a victim tier (V1–V4) needs kvtier's `Manager`. Any `wait_deadline` is taken (0: a busy
-    /// block answers `Miss` once its clock has moved on).
+    /// the tier is written, and a victim tier (V1–V4) needs kvtier's `Manager`. Any
+    /// `wait_deadline` is taken (0: a busy block answers `Miss` once its clock has moved on).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.tier.validate("tier", true)?;
         if self.tier.admission != Admission::Cascade {

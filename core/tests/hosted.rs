@@ -777,9 +777,9 @@ fn a_random_host_never_loses_a_job_or_a_held_block() {
 }
 
 /// A hosted tier's configuration is checked as a secondary tier's is in `Config::validate`
-/// (but for the reuse-aware LRU, which the loads' reads and the host's touches feed), and a victim admission (V1–V4
-/// need kvtier's `Manager`) is refused too: each is a typed error naming its field, never a
-/// tier that misbehaves later.
+/// (but for the reuse-aware LRU, which the loads' reads and the host's touches feed), and
+/// a victim admission (V1–V4 need kvtier's `Manager`) is refused too: each is a typed error
+/// naming its field, never a tier that misbehaves later.
 #[test]
 fn a_hosted_configuration_out_of_range_is_a_typed_error_naming_its_field() {
     let refused = |f: &dyn Fn(&mut HostedConfig)| {

@@ -79,11 +79,12 @@ fn reuse_policy_with_its_return_horizon_to_a_depth_bound() {
         .ok()
         .and_then(|d| d.parse().ok())
         .unwrap_or(HORIZON_DEPTH);
-    explore_to_depth(
+    let checker = explore_to_depth(
         TieringModel::ci_reuse_horizon(),
         depth,
         "reuse-aware LRU with U10",
     );
+    checker.assert_any_discovery("a block idle past the return horizon is evicted");
 }
 
 /// Depth of [`TieringModel::ci_deadline`]'s exploration in CI.
