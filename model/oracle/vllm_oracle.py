@@ -290,6 +290,21 @@ def offloading_config(
     )
 
 
+class HostRegion:
+    """A primary tier's memory as vLLM's ``SharedOffloadRegion`` hands it over: a view of
+    ``memory``, which the caller owns (``py/tests`` and ``py/bench`` map it page-aligned, as
+    vLLM's region is)."""
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def create_kv_memoryview(self):
+        return memoryview(self.memory)
+
+    def cleanup(self):
+        pass
+
+
 class _MemoryRegion:
     """In-memory stand-in for the primary tier's SharedOffloadRegion (scheduler side)."""
 

@@ -48,19 +48,6 @@ ROW = 4096
 MAX_DEFERRALS = 10_000
 
 
-class _Region:
-    """The primary's memory, as vLLM's ``SharedOffloadRegion`` hands it to its tiers."""
-
-    def __init__(self, memory):
-        self.memory = memory
-
-    def create_kv_memoryview(self):
-        return memoryview(self.memory)
-
-    def cleanup(self):
-        pass
-
-
 def build(vllm, chunks: int, table: dict):
     """vLLM's tiering manager over its CPU primary of ``chunks`` rows and the tier ``table``
     describes."""
@@ -90,7 +77,7 @@ def build(vllm, chunks: int, table: dict):
 
     memory = np.frombuffer(mapping, dtype=np.uint8).reshape(chunks, ROW)
     primary = CPUPrimaryTierOffloadingManager(
-        num_chunks=chunks, mmap_region=_Region(memory), enable_events=False
+        num_chunks=chunks, mmap_region=vllm_oracle.HostRegion(memory), enable_events=False
     )
     tier = SecondaryTierFactory.create_secondary_tier(table, primary.get_kv_memoryview(), spec)
     manager = TieringOffloadingManager(primary, [tier], tier_poll_interval_s=0)

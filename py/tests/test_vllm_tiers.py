@@ -18,25 +18,13 @@ import numpy as np
 import pytest
 
 import kvtier
+import vllm_oracle
 from test_spec import offloading_config
 
 ROW = 4096
 FILE_TIER = {"type": "KvtierFileTier", "module_path": "kvtier.vllm_tiers"}
 REDIS_TIER = {"type": "KvtierRedisTier", "module_path": "kvtier.vllm_tiers"}
 S3_TIER = {"type": "KvtierS3Tier", "module_path": "kvtier.vllm_tiers"}
-
-
-class _Region:
-    """The scheduler's primary memory, as vLLM's ``SharedOffloadRegion`` hands it over."""
-
-    def __init__(self, memory):
-        self.memory = memory
-
-    def create_kv_memoryview(self):
-        return memoryview(self.memory)
-
-    def cleanup(self):
-        pass
 
 
 class Engine:
@@ -67,7 +55,7 @@ class Engine:
         self._mapping = mmap.mmap(-1, chunks * ROW)
         self.memory = np.frombuffer(self._mapping, dtype=np.uint8).reshape(chunks, ROW)
         primary = CPUPrimaryTierOffloadingManager(
-            num_chunks=chunks, mmap_region=_Region(self.memory), enable_events=events
+            num_chunks=chunks, mmap_region=vllm_oracle.HostRegion(self.memory), enable_events=events
         )
         self.tier = SecondaryTierFactory.create_secondary_tier(
             table, primary.get_kv_memoryview(), self.spec
