@@ -78,6 +78,8 @@ def replay(
     policy: str,
     block_tokens: int,
     make_manager=None,
+    on_defer=None,
+    max_deferrals: int = MAX_DEFERRALS,
 ):
     """Replays the requests' keys; returns the totals and the nanoseconds the loop took.
 
@@ -89,6 +91,10 @@ def replay(
     keys are built by ``request_keys``. A *block operation* is one key passed to ``lookup``,
     ``prepare_load``, ``complete_load``, ``prepare_store`` or ``complete_store``
     (``block_ops``), counted as ``kvtier_model::replay`` counts them.
+
+    ``on_defer``, if given, is called after each deferral's step end, at most
+    ``max_deferrals`` times a request: a manager whose tiers do IO on their own threads
+    (``py/bench/hosted_learning.py``) waits there for it.
     """
     if make_manager is None:
         m = vllm.CPUOffloadingManager(num_chunks=num_blocks, cache_policy=policy)
@@ -117,7 +123,7 @@ def replay(
                 ctx.set_offload_key_position(k, (index + 1) * block_tokens)
 
             new_req_ids = [req_id]
-            for _ in range(MAX_DEFERRALS):
+            for _ in range(max_deferrals):
                 hits, retries, deferred = 0, 0, False
                 for k in keys:
                     result = m.lookup(k, ctx)
@@ -135,8 +141,10 @@ def replay(
                     break
                 totals["deferrals"] += 1
                 m.on_schedule_end(step_end(new_req_ids=[], preempted_req_ids=[]))
+                if on_defer is not None:
+                    on_defer()
             else:
-                raise RuntimeError(f"{req_id}: lookups still deferred after {MAX_DEFERRALS} steps")
+                raise RuntimeError(f"{req_id}: lookups still deferred after {max_deferrals} steps")
 
             loaded, rest = keys[:hits], keys[hits:]
             if loaded:

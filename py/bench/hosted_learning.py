@@ -8,11 +8,11 @@ through vLLM's manager, its CPU primary tier (vLLM's LRU) and a ``KvtierFileTier
 ``--policy``), once as shipped (``learns``) and once with ``learn_reads: false``
 (``forgets``: the tier before G16).
 
-The call sequence is ``model/oracle/replay.py``'s (vLLM 0.33's scheduler for a request
-prefilled in one step): lookups from the first key to the first MISS, a deferral (the step
-ends, the lookups run again) while any answers RETRY or HIT_PENDING, loads of the hits,
-stores of the rest, the request's end and the step's end. The tier's IO runs on its threads;
-a deferral waits a millisecond for it. Every store and promotion is written and read on a
+The call sequence is ``model/oracle/replay.py``'s, run by its ``replay`` (vLLM 0.33's
+scheduler for a request prefilled in one step): lookups from the first key to the first
+MISS, a deferral (the step ends, the lookups run again) while any answers RETRY or
+HIT_PENDING, loads of the hits, stores of the rest, the request's end and the step's end.
+The tier's IO runs on its threads; a deferral waits a millisecond for it. Every store and promotion is written and read on a
 real file in ``--dir`` (default: a temporary directory).
 
 The overall hit ratio is the blocks finally hit (from the primary, or promoted from the tier
@@ -85,59 +85,25 @@ def build(vllm, chunks: int, table: dict):
 
 
 def run(vllm, requests: list[list[bytes]], chunks: int, table: dict) -> dict:
-    """Replays ``requests``; returns the blocks looked up and hit, and the tier's figures."""
+    """Replays ``requests`` with ``replay.replay``'s loop, waiting a millisecond at each
+    deferral; returns the blocks looked up and hit, and the tier's figures."""
     m, tier, mapping = build(vllm, chunks, table)
-    LR = vllm.LookupResult
-    end = vllm.ScheduleEndContext
-    totals = {"blocks": 0, "hits": 0, "deferrals": 0}
-    started = time.perf_counter()
     try:
-        for n, keys in enumerate(requests):
-            ctx = vllm.ReqContext(req_id=f"req-{n}")
-            with m.lock:
-                m.on_new_request(ctx)
-                for index, k in enumerate(keys):
-                    ctx.set_offload_key_position(k, (index + 1) * 16)
-            new_req_ids = [ctx.req_id]
-            for _ in range(MAX_DEFERRALS):
-                hits, deferred = 0, False
-                with m.lock:
-                    for k in keys:
-                        result = m.lookup(k, ctx)
-                        if result is LR.MISS:
-                            break
-                        hits += 1
-                        deferred |= result is not LR.HIT
-                if not deferred:
-                    break
-                totals["deferrals"] += 1
-                with m.lock:
-                    m.on_schedule_end(end(new_req_ids=[], preempted_req_ids=[]))
-                time.sleep(0.001)
-            else:
-                raise RuntimeError(f"request {n}: lookups still deferred")
-            with m.lock:
-                loaded, rest = keys[:hits], keys[hits:]
-                if loaded:
-                    m.prepare_load(loaded, ctx)
-                    m.on_schedule_end(end(new_req_ids=new_req_ids, preempted_req_ids=[]))
-                    new_req_ids = []
-                    m.complete_load(loaded, ctx)
-                if rest:
-                    out = m.prepare_store(rest, ctx)
-                    m.on_schedule_end(end(new_req_ids=new_req_ids, preempted_req_ids=[]))
-                    new_req_ids = []
-                    if out is not None and out.keys_to_store:
-                        m.complete_store(out.keys_to_store, ctx)
-                m.on_request_finished(ctx)
-                m.on_schedule_end(end(new_req_ids=new_req_ids, preempted_req_ids=[]))
-            totals["blocks"] += len(keys)
-            totals["hits"] += hits
+        totals, elapsed = replay.replay(
+            vllm,
+            requests,
+            chunks,
+            "lru",
+            16,
+            make_manager=lambda _n, _p: m,
+            on_defer=lambda: time.sleep(0.001),
+            max_deferrals=MAX_DEFERRALS,
+        )
         stats = tier.stats()
         totals["promoted"] = stats["blocks_loaded"]
         totals["tier_evictions"] = stats["evictions"]
         totals["tier_blocks"] = tier.config_info()["capacity_blocks"]
-        totals["seconds"] = round(time.perf_counter() - started, 1)
+        totals["seconds"] = round(elapsed / 1e9, 1)
         tier.check_invariants()
     finally:
         m.shutdown()
